@@ -1,0 +1,71 @@
+"""mlx-lm adapter: load-time strip-and-keep of head tensors.
+
+Stock mlx-lm 0.30.7–0.31.3 shifts every RMSNorm a second time when it sees ``mtp.*`` keys (the
+"garbage" bug) and Qwen3-Next raises on them; wrapping each handled model class's ``sanitize`` so
+that it never sees head tensors fixes both on every version. ``load_model`` is wrapped to load the
+head from its files and keep it on ``model.mtp_head``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+from pathlib import Path
+
+from mtp_plugin.hookspecs import hookimpl
+from mtp_plugin.plugins import hook
+
+from .patching import Patches, version_in_range
+
+TESTED = ("0.30.7", "0.33")
+_patches = Patches()
+_lock = threading.Lock()
+
+
+def strip_head_tensors(sanitize, model_type: str):
+    """Wrap a model class's ``sanitize`` so that it never receives head tensors (any naming form)."""
+
+    @functools.wraps(sanitize)
+    def wrapper(self, weights):
+        trunk = {k: v for k, v in weights.items()
+                 if hook().mtp_head_name(name=k, model_type=model_type, sidecar=False) is None}
+        return sanitize(self, trunk)
+
+    return wrapper
+
+
+def _keep_head(load_model):
+    from mtp_plugin.loader import attach_head
+
+    @functools.wraps(load_model)
+    def wrapper(model_path, *args, **kwargs):
+        model, config = load_model(model_path, *args, **kwargs)
+        attach_head(model, Path(model_path), config)
+        return model, config
+
+    return wrapper
+
+
+@hookimpl
+def mtp_patch_runtime():
+    """Wrap ``sanitize`` of every handled model class and ``mlx_lm.utils.load_model``."""
+    with _lock:
+        if _patches.active or not version_in_range("mlx-lm", *TESTED):
+            return
+        import mlx_lm.utils
+
+        for model_type in sorted(set(sum(hook().mtp_model_types(), []))):
+            try:
+                module = importlib.import_module(f"mlx_lm.models.{model_type}")
+            except ImportError:
+                continue
+            _patches.wrap(module.Model, "sanitize", functools.partial(strip_head_tensors, model_type=model_type))
+        _patches.wrap(mlx_lm.utils, "load_model", _keep_head)
+
+
+@hookimpl
+def mtp_unpatch_runtime():
+    """Restore stock mlx-lm."""
+    with _lock:
+        _patches.restore()

@@ -1,0 +1,59 @@
+"""Reversible wrapping of runtime functions and methods, and the version guard every adapter applies."""
+
+from __future__ import annotations
+
+import logging
+from importlib import metadata
+
+log = logging.getLogger("mtp_plugin")
+_MISSING = object()
+
+
+class Patches:
+    """The wrappers one adapter installed, so that ``restore`` puts every original back."""
+
+    def __init__(self):
+        self._saved: list[tuple[object, str, object]] = []
+
+    @property
+    def active(self) -> bool:
+        """True while any wrapper is installed."""
+        return bool(self._saved)
+
+    def wrap(self, owner, name: str, make_wrapper) -> None:
+        """Replace ``owner.name`` by ``make_wrapper(current)``; the original is kept for ``restore``."""
+        self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
+        setattr(owner, name, make_wrapper(getattr(owner, name)))
+
+    def restore(self) -> None:
+        """Put back every original, newest first."""
+        while self._saved:
+            owner, name, original = self._saved.pop()
+            if original is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def version_in_range(distribution: str, lowest: str, below: str) -> str | None:
+    """The installed version of ``distribution`` if ``lowest <= version < below``; else None.
+
+    A version outside the tested range is logged once (a warning) by the caller's single call.
+    """
+    try:
+        version = metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+    if _release(lowest) <= _release(version) < _release(below):
+        return version
+    log.warning("mtp_plugin: %s %s is outside the tested range [%s, %s); leaving it stock.",
+                distribution, version, lowest, below)
+    return None

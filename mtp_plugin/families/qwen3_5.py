@@ -1,0 +1,122 @@
+"""Qwen3.5 / 3.6 / 3.8 (dense and MoE) and Qwen3-Next: the one-layer MTP head.
+
+Head layout (Hugging Face names under ``mtp.``; reference: vLLM ``model_executor/models/qwen3_next_mtp.py``
+and ``qwen3_5_mtp.py``): ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``fc`` (2·hidden → hidden),
+``layers.0`` (one full-attention decoder layer of the trunk's own class, dense MLP or MoE), ``norm``.
+The trunk's ``lm_head`` (or tied embedding) turns the head's output into logits.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..head import MTPHead
+from ..hookspecs import hookimpl
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+PREFIXES = ("language_model.model.mtp.", "model.language_model.mtp.", "language_model.mtp.", "model.mtp.", "mtp.")
+BARE_ROOTS = ("fc.", "pre_fc_norm_embedding.", "pre_fc_norm_hidden.", "layers.", "norm.")
+SIDECAR_NAMES = ("mtp.safetensors", "mtp/weights.safetensors", "model-mtp.safetensors")
+CONFIG_KEYS = ("mtp_sidecar", "mtp_file", "mtp_weights")
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+@hookimpl
+def mtp_model_types():
+    """The Qwen3.5-family model types."""
+    return list(MODEL_TYPES)
+
+
+@hookimpl
+def mtp_head_name(name, model_type, sidecar):
+    """Strip any known head prefix; bare names only inside a sidecar."""
+    if model_type not in MODEL_TYPES:
+        return None
+    for prefix in PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    if sidecar and name.startswith(BARE_ROOTS):
+        return name
+    return None
+
+
+@hookimpl
+def mtp_sidecar_paths(model_dir, config):
+    """The sidecar file names seen in the wild, plus a file named by config.json."""
+    if config.get("model_type") not in MODEL_TYPES:
+        return []
+    paths = [model_dir / n for n in SIDECAR_NAMES]
+    for cfg in (config, config.get("text_config") or {}):
+        paths += [model_dir / cfg[k] for k in CONFIG_KEYS if isinstance(cfg.get(k), str)]
+    return paths
+
+
+@hookimpl
+def mtp_sanitize_head(weights, config):
+    """Stack per-expert MoE tensors and split fused ``gate_up_proj`` into ``switch_mlp`` form."""
+    if config.get("model_type") not in MODEL_TYPES:
+        return None
+    import mlx.core as mx
+
+    out, experts = {}, {}
+    for name, value in weights.items():
+        m = _EXPERT.match(name)
+        if m:
+            experts.setdefault((m[1], m[3]), {})[int(m[2])] = value
+        elif name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name[: -len("experts.gate_up_proj")]
+            mid = value.shape[-2] // 2
+            out[prefix + "switch_mlp.gate_proj.weight"] = value[..., :mid, :]
+            out[prefix + "switch_mlp.up_proj.weight"] = value[..., mid:, :]
+        elif name.endswith(".mlp.experts.down_proj"):
+            out[name[: -len("experts.down_proj")] + "switch_mlp.down_proj.weight"] = value
+        else:
+            out[name] = value
+    for (layer, proj), by_index in experts.items():
+        out[f"layers.{layer}.mlp.switch_mlp.{proj}.weight"] = mx.stack([by_index[e] for e in sorted(by_index)])
+    return out
+
+
+def trunk_parts(model):
+    """``(text_model, args)``: the decoder stack (``embed_tokens``, ``layers``, ``norm``) and its args.
+
+    Works for mlx-lm and mlx-vlm Qwen3.5/Qwen3-Next classes: both nest the stack as
+    ``language_model.model`` (Qwen3.5) or ``model`` (mlx-lm Qwen3-Next).
+    """
+    outer = getattr(model, "language_model", model)
+    return outer.model, getattr(outer, "args", None) or model.args
+
+
+@hookimpl
+def mtp_build_head(model, config):
+    """An MTPHead whose decoder layer is a fresh full-attention layer of the trunk's own class."""
+    if config.get("model_type") not in MODEL_TYPES:
+        return None
+    text_model, args = trunk_parts(model)
+    index = next(i for i, layer in enumerate(text_model.layers) if not layer.is_linear)
+    layer = type(text_model.layers[index])(args, index)
+    return MTPHead(args.hidden_size, args.rms_norm_eps, layer)
+
+
+@hookimpl
+def mtp_norm_references(model, config):
+    """Trunk norms playing the same role as each head norm (all loaded in the absolute convention)."""
+    if config.get("model_type") not in MODEL_TYPES:
+        return None
+    import mlx.core as mx
+
+    text_model, _ = trunk_parts(model)
+    full = [layer for layer in text_model.layers if not layer.is_linear]
+
+    def mean(weights):
+        return float(mx.mean(mx.stack([w.astype(mx.float32) for w in weights])).item())
+
+    return {
+        "pre_fc_norm_embedding.weight": mean([text_model.layers[0].input_layernorm.weight]),
+        "pre_fc_norm_hidden.weight": mean([text_model.norm.weight]),
+        "norm.weight": mean([text_model.norm.weight]),
+        "layers.0.input_layernorm.weight": mean([layer.input_layernorm.weight for layer in full]),
+        "layers.0.post_attention_layernorm.weight": mean([layer.post_attention_layernorm.weight for layer in full]),
+        "layers.0.self_attn.q_norm.weight": mean([layer.self_attn.q_norm.weight for layer in full]),
+        "layers.0.self_attn.k_norm.weight": mean([layer.self_attn.k_norm.weight for layer in full]),
+    }

@@ -1,0 +1,60 @@
+"""The MTP head module: one decoder layer that drafts token t+2 from the trunk's hidden state at t.
+
+Forward (Qwen3-Next / Qwen3.5 wiring; reference: vLLM ``qwen3_next_mtp.py``,
+``Qwen3NextMultiTokenPredictor.forward``)::
+
+    z = fc(concat[pre_fc_norm_embedding(embed(x[t+1])), pre_fc_norm_hidden(h[t])])
+    out = norm(layers[0](z, cache))
+
+The decoder layer is built from the trunk's own class (see ``families/``) so attention, MoE and
+quantization behave exactly as in the trunk; the trunk's ``lm_head`` turns ``out`` into logits.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .conventions import Contract
+
+
+class MTPHead(nn.Module):
+    """One-layer MTP head.
+
+    Args:
+        hidden_size: trunk hidden size H.
+        eps: RMSNorm epsilon of the trunk.
+        layer: a full-attention decoder layer ``layer(x, mask, cache) -> x`` of the trunk's class.
+        contract: wiring choices (concat order, trunk hidden variant); defaults match Qwen's training.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, layer: nn.Module, contract: Contract | None = None):
+        super().__init__()
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden_size, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden_size, eps=eps)
+        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.layers = [layer]
+        self.norm = nn.RMSNorm(hidden_size, eps=eps)
+        self.contract = contract or Contract()
+
+    def __call__(self, hidden: mx.array, embeddings: mx.array, cache=None) -> mx.array:
+        """Head output before the lm_head.
+
+        Args:
+            hidden: trunk hidden states h[t], shape (B, T, H), in the contract's variant.
+            embeddings: trunk embeddings of x[t+1], shape (B, T, H).
+            cache: the head's own KV cache (an mlx-lm/mlx-vlm ``KVCache``) or None.
+
+        Returns:
+            (B, T, H) array, same dtype as the head's weights.
+        """
+        e = self.pre_fc_norm_embedding(embeddings)
+        h = self.pre_fc_norm_hidden(hidden)
+        pair = [e, h] if self.contract.concat_order == "embedding_first" else [h, e]
+        x = self.fc(mx.concatenate(pair, axis=-1))
+        n = x.shape[1]
+        if cache is not None and hasattr(cache, "make_mask"):
+            mask = cache.make_mask(n)
+        else:
+            mask = "causal" if n > 1 else None
+        return self.norm(self.layers[0](x, mask=mask, cache=cache))

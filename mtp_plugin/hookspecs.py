@@ -1,0 +1,71 @@
+"""The contract between mtp_plugin and its plugins: one documented hook spec per extension point.
+
+Built-in support (Qwen3.5/3.6/3.8 and Qwen3-Next in ``families/``, the mlx-lm and mlx-vlm adapters)
+implements these hooks exactly as a third-party plugin registered under the ``mtp_plugin`` entry-point
+group would. ``firstresult`` hooks answer "who handles this"; the others collect from every plugin.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("mtp_plugin")
+hookimpl = pluggy.HookimplMarker("mtp_plugin")
+
+
+@hookspec
+def mtp_model_types() -> list[str]:
+    """Model types (config.json ``model_type``) whose checkpoints may carry a head this plugin handles."""
+
+
+@hookspec(firstresult=True)
+def mtp_head_name(name: str, model_type: str, sidecar: bool) -> str | None:
+    """Head-relative canonical name (``fc.weight``) of checkpoint tensor ``name``, or None if not a head tensor.
+
+    ``sidecar`` is True for a file holding only the head, where bare names (no prefix) are allowed.
+    """
+
+
+@hookspec
+def mtp_sidecar_paths(model_dir, config: dict) -> list:
+    """Paths (``pathlib.Path``) beside the trunk shards that may hold a head, whether they exist or not."""
+
+
+@hookspec(firstresult=True)
+def mtp_read_tensor_names(path) -> tuple[dict, dict] | None:
+    """Header of a weights file as ``({name: (shape, dtype)}, metadata)`` without reading data, or None."""
+
+
+@hookspec(firstresult=True)
+def mtp_load_sidecar(path, names: list[str]) -> dict | None:
+    """The tensors ``names`` of weights file ``path`` as ``{name: mx.array}``, or None if the format is not handled."""
+
+
+@hookspec(firstresult=True)
+def mtp_sanitize_head(weights: dict, config: dict) -> dict | None:
+    """Canonical head ``weights`` rearranged to the layout of the built head (e.g. experts stacked), or None."""
+
+
+@hookspec(firstresult=True)
+def mtp_norm_references(model, config: dict) -> dict | None:
+    """Mean effective scale of trunk ``model``'s RMSNorm of the same role, by canonical head norm name."""
+
+
+@hookspec(firstresult=True)
+def mtp_build_head(model, config: dict):
+    """A float, unloaded ``mlx.nn.Module`` head built from trunk ``model``'s own layer classes, or None."""
+
+
+@hookspec(firstresult=True)
+def mtp_generate_step(prompt, model, options: dict):
+    """A generator replacing the runtime's ``generate_step`` for ``model`` (yields ``(token, logprobs)``), or None."""
+
+
+@hookspec
+def mtp_patch_runtime() -> None:
+    """Install this plugin's runtime patches (idempotent); called by ``mtp_plugin.patch()``."""
+
+
+@hookspec
+def mtp_unpatch_runtime() -> None:
+    """Remove this plugin's runtime patches, restoring stock behaviour (idempotent)."""

@@ -1,0 +1,132 @@
+"""Load a checkpoint's MTP head for an already-loaded trunk: find, read, normalise, quantize, verify."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .checkpoint import CheckpointError, HeadLocation, find_head, load_tensors
+from .conventions import (
+    NORM_KEY,
+    ZERO_CENTRED,
+    Contract,
+    NormDecision,
+    decide_norm,
+    describe_quantization,
+    is_norm,
+    quantization_of,
+)
+from .plugins import hook
+
+log = logging.getLogger("mtp_plugin")
+
+
+@dataclass
+class LoadedHead:
+    """A head ready for drafting, with the decisions made while loading it.
+
+    Attributes:
+        module: the ``MTPHead`` (weights loaded, norms absolute, quantized as stored).
+        location: where its tensors came from.
+        norms: convention decided per RMSNorm weight (canonical name → decision).
+        quantization: label per linear module path (``int4/g64``, ``bf16`` …).
+    """
+
+    module: nn.Module
+    location: HeadLocation
+    norms: dict[str, NormDecision] = field(default_factory=dict)
+    quantization: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line: where the head came from, its naming, quantization and norm conventions."""
+        files = ", ".join(str(f.relative_to(self.location.model_dir)) for f in self.location.files)
+        quant = ",".join(sorted(set(self.quantization.values())))
+        zero = sum(d.convention == ZERO_CENTRED for d in self.norms.values())
+        return (f"head from {files} ({', '.join(self.location.naming)}), {quant}, "
+                f"norms: {zero} zero-centred / {len(self.norms) - zero} absolute")
+
+
+def declared_norms(metadata: dict) -> dict | str | None:
+    """The norm convention recorded in metadata: one string for all norms or a per-name dict."""
+    raw = metadata.get(NORM_KEY)
+    if isinstance(raw, str) and raw.startswith("{"):
+        return json.loads(raw)
+    return raw
+
+
+def load_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | None:
+    """Load the head of ``model_dir`` for trunk ``model``; None when the directory carries no head.
+
+    Raises:
+        CheckpointError: head tensors that are present but incomplete, misshapen or unreadable; the
+            message names the file and tensor.
+    """
+    location = find_head(Path(model_dir), config)
+    if not location.tensors:
+        return None
+    head = hook().mtp_build_head(model=model, config=config)
+    if head is None:
+        return None
+    weights = load_tensors(list(location.tensors.values()))
+    weights = hook().mtp_sanitize_head(weights=weights, config=config) or weights
+    references = hook().mtp_norm_references(model=model, config=config) or {}
+    declared = declared_norms(location.metadata)
+    norms = {}
+    for name, value in weights.items():
+        if not is_norm(name, value.shape):
+            continue
+        said = declared.get(name) if isinstance(declared, dict) else declared
+        values = np.array(value.astype(mx.float32))
+        norms[name] = decide_norm(values, said, references.get(name))
+        if norms[name].convention == ZERO_CENTRED:
+            weights[name] = (value.astype(mx.float32) + 1.0).astype(value.dtype)
+    quantization = _quantize_like(head, weights)
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        files = ", ".join(map(str, location.files))
+        raise CheckpointError(
+            f"{files}: head does not fit this trunk ({e}); check that the head comes from the same base "
+            f"model, or re-extract it with `mtp-plugin extract`."
+        ) from None
+    head.contract = Contract.from_metadata({**config, **location.metadata})
+    mx.eval(head.parameters())
+    return LoadedHead(head, location, norms, quantization)
+
+
+def _quantize_like(head: nn.Module, weights: dict) -> dict[str, str]:
+    """Quantize ``head``'s linear layers exactly as stored in ``weights``; returns a label per module."""
+    labels = {}
+
+    def predicate(path, module):
+        if not hasattr(module, "to_quantized") or f"{path}.weight" not in weights:
+            return False
+        scales = weights.get(f"{path}.scales")
+        q = quantization_of(weights[f"{path}.weight"].shape, None if scales is None else scales.shape,
+                            module.weight.shape[-1])
+        labels[path] = describe_quantization(q, str(weights[f"{path}.weight"].dtype).split(".")[-1])
+        return q or False
+
+    nn.quantize(head, class_predicate=predicate)
+    return labels
+
+
+
+def attach_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | None:
+    """Load the head of ``model_dir`` and keep it on ``model.mtp_head`` (a plain attribute, not a child).
+
+    Never raises for a bad head: the trunk stays usable, the problem is logged once as a warning.
+    """
+    try:
+        loaded = load_head(model, model_dir, config)
+    except (CheckpointError, ValueError) as e:
+        log.warning("mtp_plugin: MTP head ignored, decoding without it: %s", e)
+        loaded = None
+    model.mtp_head = loaded
+    return loaded
