@@ -101,7 +101,8 @@ def decide_norm(values: np.ndarray, declared: str | None = None, reference_mean:
     return NormDecision(ABSOLUTE, "all entries positive, no trunk reference: taken as stored")
 
 
-def quantization_of(weight_shape: tuple[int, ...], scales_shape: tuple[int, ...] | None, in_features: int) -> dict | None:
+def quantization_of(weight_shape: tuple[int, ...], scales_shape: tuple[int, ...] | None,
+                    in_features: int) -> dict | None:
     """Affine quantization parameters of a linear layer inferred from stored shapes.
 
     MLX packs ``bits``-bit values into uint32: weight (…, out, in·bits/32), scales (…, out, in/group_size).
@@ -127,3 +128,19 @@ def describe_quantization(q: dict | None, dtype: str) -> str:
         return f"int{q['bits']}/g{q['group_size']}"
     return {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "bfloat16": "bf16", "float16": "fp16",
             "float32": "fp32"}.get(dtype, dtype.lower())
+
+
+def reference_means(trunk: dict, roles: dict[str, str]) -> dict[str, float]:
+    """Mean effective (absolute) scale of the trunk norms playing each head norm's role.
+
+    Args:
+        trunk: trunk RMSNorm weights in the absolute convention, ``{name: array}`` (numpy or mlx).
+        roles: head norm canonical name → trunk name suffix (``mtp_norm_roles``).
+    """
+    out = {}
+    for head_name, suffix in roles.items():
+        values = [np.asarray(v, dtype=np.float32).mean() for name, v in trunk.items()
+                  if name == suffix or name.endswith("." + suffix)]
+        if values:
+            out[head_name] = float(np.mean(values))
+    return out

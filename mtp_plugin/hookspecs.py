@@ -47,8 +47,18 @@ def mtp_sanitize_head(weights: dict, config: dict) -> dict | None:
 
 
 @hookspec(firstresult=True)
-def mtp_norm_references(model, config: dict) -> dict | None:
-    """Mean effective scale of trunk ``model``'s RMSNorm of the same role, by canonical head norm name."""
+def mtp_norm_roles(config: dict) -> dict | None:
+    """For each head RMSNorm (canonical name), the trunk tensor-name suffix of the norms with the same role."""
+
+
+@hookspec(firstresult=True)
+def mtp_required_tensors(config: dict) -> list | None:
+    """Canonical names every complete head of this model must have (quantized or not), or None."""
+
+
+@hookspec(firstresult=True)
+def mtp_head_in_features(config: dict) -> dict | None:
+    """Input width of each head linear module (canonical path without ``.weight``), to read packed shapes."""
 
 
 @hookspec(firstresult=True)

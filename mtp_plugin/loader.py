@@ -10,6 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from .checkpoint import CheckpointError, HeadLocation, find_head, load_tensors
 from .conventions import (
@@ -21,6 +22,7 @@ from .conventions import (
     describe_quantization,
     is_norm,
     quantization_of,
+    reference_means,
 )
 from .plugins import hook
 
@@ -75,7 +77,10 @@ def load_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | N
         return None
     weights = load_tensors(list(location.tensors.values()))
     weights = hook().mtp_sanitize_head(weights=weights, config=config) or weights
-    references = hook().mtp_norm_references(model=model, config=config) or {}
+    roles = hook().mtp_norm_roles(config=config) or {}
+    trunk_norms = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())
+                   if k.endswith("norm.weight") and v.ndim == 1}
+    references = reference_means(trunk_norms, roles)
     declared = declared_norms(location.metadata)
     norms = {}
     for name, value in weights.items():

@@ -98,25 +98,50 @@ def mtp_build_head(model, config):
     return MTPHead(args.hidden_size, args.rms_norm_eps, layer)
 
 
+
 @hookimpl
-def mtp_norm_references(model, config):
-    """Trunk norms playing the same role as each head norm (all loaded in the absolute convention)."""
+def mtp_norm_roles(config):
+    """The first layer's input norm also sees raw embeddings; the final norm feeds the head's hidden."""
     if config.get("model_type") not in MODEL_TYPES:
         return None
-    import mlx.core as mx
-
-    text_model, _ = trunk_parts(model)
-    full = [layer for layer in text_model.layers if not layer.is_linear]
-
-    def mean(weights):
-        return float(mx.mean(mx.stack([w.astype(mx.float32) for w in weights])).item())
-
     return {
-        "pre_fc_norm_embedding.weight": mean([text_model.layers[0].input_layernorm.weight]),
-        "pre_fc_norm_hidden.weight": mean([text_model.norm.weight]),
-        "norm.weight": mean([text_model.norm.weight]),
-        "layers.0.input_layernorm.weight": mean([layer.input_layernorm.weight for layer in full]),
-        "layers.0.post_attention_layernorm.weight": mean([layer.post_attention_layernorm.weight for layer in full]),
-        "layers.0.self_attn.q_norm.weight": mean([layer.self_attn.q_norm.weight for layer in full]),
-        "layers.0.self_attn.k_norm.weight": mean([layer.self_attn.k_norm.weight for layer in full]),
+        "pre_fc_norm_embedding.weight": "layers.0.input_layernorm.weight",
+        "pre_fc_norm_hidden.weight": "model.norm.weight",
+        "norm.weight": "model.norm.weight",
+        "layers.0.input_layernorm.weight": "input_layernorm.weight",
+        "layers.0.post_attention_layernorm.weight": "post_attention_layernorm.weight",
+        "layers.0.self_attn.q_norm.weight": "self_attn.q_norm.weight",
+        "layers.0.self_attn.k_norm.weight": "self_attn.k_norm.weight",
+    }
+
+
+@hookimpl
+def mtp_required_tensors(config):
+    """Norms, fc and attention; the MLP is checked by loading (dense, per-expert or stacked forms)."""
+    if config.get("model_type") not in MODEL_TYPES:
+        return None
+    attention = [f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"]
+    return ["fc.weight", "norm.weight", *mtp_norm_roles(config), *attention]
+
+
+@hookimpl
+def mtp_head_in_features(config):
+    """Input widths from the text config (dense MLP, routed experts, shared expert and router)."""
+    if config.get("model_type") not in MODEL_TYPES:
+        return None
+    text = config.get("text_config") or config
+    hidden = text["hidden_size"]
+    heads, head_dim = text["num_attention_heads"], text.get("head_dim") or hidden // text["num_attention_heads"]
+    attention = {f"layers.0.self_attn.{p}_proj": hidden for p in "qkv"}
+    mlp = {f"layers.0.mlp.{p}": hidden for p in ("gate_proj", "up_proj", "switch_mlp.gate_proj",
+                                                   "switch_mlp.up_proj", "shared_expert.gate_proj",
+                                                   "shared_expert.up_proj", "gate", "shared_expert_gate")}
+    return {
+        "fc": 2 * hidden,
+        **attention,
+        "layers.0.self_attn.o_proj": heads * head_dim,
+        **mlp,
+        "layers.0.mlp.down_proj": text.get("intermediate_size", 0),
+        "layers.0.mlp.switch_mlp.down_proj": text.get("moe_intermediate_size", 0),
+        "layers.0.mlp.shared_expert.down_proj": text.get("shared_expert_intermediate_size", 0),
     }

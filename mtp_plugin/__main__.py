@@ -1,0 +1,7 @@
+"""``python -m mtp_plugin``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,147 @@
+"""``mtp-plugin inspect``: can this directory run MTP, and if not, why — from headers and head tensors only.
+
+No model is built and no trunk weights are read: file headers, the head's own tensors, and the
+trunk's 1-D norm weights (for the per-tensor norm convention) are all that is touched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .checkpoint import HeadLocation, find_head, load_tensors
+from .conventions import (
+    ZERO_CENTRED,
+    decide_norm,
+    describe_quantization,
+    is_norm,
+    quantization_of,
+    reference_means,
+)
+from .diagnostics import judge
+from .loader import declared_norms
+from .plugins import hook
+
+
+def trunk_quantization(location: HeadLocation, headers: dict) -> str:
+    """``int4/g64`` from config.json's ``quantization``, else the dtype of the trunk's largest tensor."""
+    q = location.config.get("quantization") or location.config.get("quantization_config")
+    if q and "bits" in q:
+        return describe_quantization({"bits": q["bits"], "group_size": q.get("group_size", 64)}, "")
+    if not headers:
+        return "unknown"
+    shape, dtype = max(headers.values(), key=lambda sd: int(np.prod(sd[0])))
+    return describe_quantization(None, dtype)
+
+
+def _trunk_headers(location: HeadLocation) -> dict[str, tuple]:
+    out = {}
+    for path in location.trunk_files:
+        names, _ = hook().mtp_read_tensor_names(path=path) or ({}, {})
+        head = {t.name for t in location.tensors.values() if t.file == path}
+        out.update({(path, n): v for n, v in names.items() if n not in head})
+    return out
+
+
+def _trunk_norms(location: HeadLocation, headers: dict) -> dict[str, np.ndarray]:
+    """Trunk RMSNorm weights in the absolute convention (an unconverted HF trunk is zero-centred)."""
+    hf_layout = any("conv1d.weight" in n and shape[-1] != 1 for (_, n), (shape, _) in headers.items())
+    by_file: dict[Path, list[str]] = {}
+    for (path, name), (shape, _) in headers.items():
+        if len(shape) == 1 and name.endswith("norm.weight") and ".linear_attn." not in name:
+            by_file.setdefault(path, []).append(name)
+    out = {}
+    for path, names in by_file.items():
+        arrays = hook().mtp_load_sidecar(path=path, names=names)
+        for name in names:
+            out[name] = np.array(arrays[name].astype(mx.float32)) + (1.0 if hf_layout else 0.0)
+    return out
+
+
+def inspect_dir(model_dir: Path) -> dict:
+    """The inspect report of ``model_dir`` as a JSON-ready dict (keys listed in the README).
+
+    Raises:
+        CheckpointError: unreadable config.json or weights header.
+    """
+    location = find_head(Path(model_dir))
+    config = location.config
+    handled = location.model_type in sum(hook().mtp_model_types(), [])
+    headers = _trunk_headers(location)
+    problems = []
+    report = {
+        "model_dir": str(location.model_dir),
+        "model_type": location.model_type,
+        "can_run": False,
+        "mtp_tensors": len(location.tensors),
+        "declared_mtp_layers": location.declared_layers,
+        "present_mtp_layers": location.present_layers,
+        "naming": location.naming,
+        "files": {str(f.relative_to(location.model_dir)): sum(t.file == f for t in location.tensors.values())
+                  for f in location.files},
+        "norm_convention": {},
+        "head_quantization": {},
+        "trunk_quantization": trunk_quantization(location, headers),
+        "head_trained": None,
+        "problems": problems,
+    }
+    if not handled:
+        problems.append(f"model type {location.model_type!r} has no MTP support in any installed plugin")
+        return report
+    if not location.tensors:
+        if location.declared_layers:
+            problems.append(f"config.json declares mtp_num_hidden_layers={location.declared_layers} but no head "
+                            "tensor is present in any file: the converter dropped it; graft one with "
+                            "`mtp-plugin graft`")
+        else:
+            problems.append("no MTP head in this checkpoint; graft one with `mtp-plugin graft`")
+        return report
+    missing = [n for n in hook().mtp_required_tensors(config=config) or [] if n not in location.tensors]
+    if missing:
+        problems.append(f"head incomplete: {len(missing)} tensors missing, first {missing[0]!r}; re-extract the "
+                        "head from the original checkpoint")
+    weights = load_tensors(list(location.tensors.values()))
+    _describe_head(report, location, weights, headers)
+    if report["head_trained"] is False:
+        problems.append(f"head looks like random initialisation ({report['head_trained_evidence']}); drafts would "
+                        "almost never be accepted")
+    report["can_run"] = not problems
+    return report
+
+
+def _describe_head(report: dict, location: HeadLocation, weights: dict, headers: dict) -> None:
+    roles = hook().mtp_norm_roles(config=location.config) or {}
+    references = reference_means(_trunk_norms(location, headers), roles)
+    declared = declared_norms(location.metadata)
+    in_features = hook().mtp_head_in_features(config=location.config) or {}
+    norms, projections = {}, {}
+    for name, value in weights.items():
+        if is_norm(name, value.shape):
+            said = declared.get(name) if isinstance(declared, dict) else declared
+            stored = np.array(value.astype(mx.float32))
+            decision = decide_norm(stored, said, references.get(name))
+            report["norm_convention"][name] = {"convention": decision.convention, "evidence": decision.evidence}
+            norms[name] = stored + (1.0 if decision.convention == ZERO_CENTRED else 0.0)
+        elif name.endswith(".weight") and value.ndim >= 2:
+            module = name[: -len(".weight")]
+            scales = weights.get(f"{module}.scales")
+            stored_dtype = str(value.dtype).split(".")[-1]
+            if scales is None:
+                report["head_quantization"][module] = describe_quantization(None, stored_dtype)
+                projections[module] = np.array(value.astype(mx.float32))
+                continue
+            if module not in in_features:
+                report["problems"].append(f"{module}: quantized, but its input width is unknown to the plugin")
+                continue
+            q = quantization_of(value.shape, scales.shape, in_features[module])
+            report["head_quantization"][module] = describe_quantization(q, "")
+            projections[module] = np.array(mx.dequantize(value, scales, weights.get(f"{module}.biases"),
+                                                         **q))
+    verdict = judge(norms, projections)
+    report["head_trained"] = verdict.trained
+    report["head_trained_evidence"] = verdict.evidence
+    report["norm_means"] = {k: round(v, 4) for k, v in verdict.norm_means.items()}
+    report["projection_kurtosis"] = {k: round(v, 2) for k, v in verdict.projection_kurtosis.items()}
+    report["projection_std"] = {k: round(v, 5) for k, v in verdict.projection_std.items()}
