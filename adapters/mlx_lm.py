@@ -16,6 +16,14 @@ from pathlib import Path
 from mtp_plugin.hookspecs import hookimpl
 from mtp_plugin.plugins import hook
 
+from .mlx_lm_decoding import (
+    CAPTURE_POINTS,
+    capture_conv_window,
+    capture_states,
+    describe_samplers,
+    mtp_generate_step,
+    print_summary,
+)
 from .patching import Patches, version_in_range
 
 TESTED = ("0.30.7", "0.33")
@@ -62,6 +70,28 @@ def mtp_patch_runtime():
                 continue
             _patches.wrap(module.Model, "sanitize", functools.partial(strip_head_tensors, model_type=model_type))
         _patches.wrap(mlx_lm.utils, "load_model", _keep_head)
+        _patch_decoding()
+
+
+def _patch_decoding():
+    import mlx_lm
+    import mlx_lm.sample_utils
+
+    generate_module = importlib.import_module("mlx_lm.generate")  # ``mlx_lm.generate`` is also a function
+    captured = set()
+    for model_type, layer_class in CAPTURE_POINTS.items():
+        module = importlib.import_module(f"mlx_lm.models.{model_type}")
+        layer = getattr(module, layer_class, None)
+        if layer is None or not hasattr(module, "gated_delta_update"):
+            continue
+        _patches.wrap(layer, "__call__", capture_conv_window)
+        _patches.wrap(module, "gated_delta_update", capture_states)
+        captured.add(model_type)
+    for module in (mlx_lm.sample_utils, generate_module):
+        _patches.wrap(module, "make_sampler", describe_samplers)
+    _patches.wrap(generate_module, "generate_step", functools.partial(mtp_generate_step, captured=captured))
+    for module in (generate_module, mlx_lm):
+        _patches.wrap(module, "generate", print_summary)
 
 
 @hookimpl

@@ -52,9 +52,5 @@ class MTPHead(nn.Module):
         h = self.pre_fc_norm_hidden(hidden)
         pair = [e, h] if self.contract.concat_order == "embedding_first" else [h, e]
         x = self.fc(mx.concatenate(pair, axis=-1))
-        n = x.shape[1]
-        if cache is not None and hasattr(cache, "make_mask"):
-            mask = cache.make_mask(n)
-        else:
-            mask = "causal" if n > 1 else None
+        mask = "causal" if x.shape[1] > 1 else None  # bottom-right aligned: queries follow the cached keys
         return self.norm(self.layers[0](x, mask=mask, cache=cache))

@@ -25,6 +25,7 @@ from .conventions import (
     reference_means,
 )
 from .plugins import hook
+from .stats import MTPStats
 
 log = logging.getLogger("mtp_plugin")
 
@@ -38,12 +39,14 @@ class LoadedHead:
         location: where its tensors came from.
         norms: convention decided per RMSNorm weight (canonical name → decision).
         quantization: label per linear module path (``int4/g64``, ``bf16`` …).
+        stats: counters of the last generation that used this head, or None.
     """
 
     module: nn.Module
     location: HeadLocation
     norms: dict[str, NormDecision] = field(default_factory=dict)
     quantization: dict[str, str] = field(default_factory=dict)
+    stats: MTPStats | None = None
 
     def summary(self) -> str:
         """One line: where the head came from, its naming, quantization and norm conventions."""

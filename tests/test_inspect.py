@@ -114,6 +114,6 @@ def test_cli_json_and_usage_errors(tmp_path, trunk):
     assert subprocess.run([exe, "inspect", str(tmp_path / "nope")], capture_output=True).returncode == 2
     assert subprocess.run([exe, "frobnicate"], capture_output=True).returncode == 2
     module = subprocess.run([sys.executable, "-m", "mtp_plugin", "inspect", str(path)], capture_output=True,
-                            text=True)
+                            text=True, cwd=tmp_path)  # the installed package, not the source tree
     assert module.returncode == 0 and "can_run:            yes" in module.stdout
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from .. import decoding
 from ..head import MTPHead
 from ..hookspecs import hookimpl
 
@@ -145,3 +146,43 @@ def mtp_head_in_features(config):
         "layers.0.mlp.switch_mlp.down_proj": text.get("moe_intermediate_size", 0),
         "layers.0.mlp.shared_expert.down_proj": text.get("shared_expert_intermediate_size", 0),
     }
+
+
+class QwenTrunk:
+    """The trunk functions the decoding loop needs, over an mlx-lm Qwen3.5 / Qwen3-Next model.
+
+    ``hidden`` returns the decoder stack's output after its final norm (contract ``post_norm``).
+
+    Raises:
+        ValueError: a contract this family cannot decode with (``hidden="pre_norm"``).
+    """
+
+    def __init__(self, model, contract):
+        if contract.hidden != "post_norm":
+            raise ValueError(f"contract hidden={contract.hidden!r}: Qwen3.5 decoding feeds the head post-norm "
+                             "hidden states; run `mtp-plugin verify --write` to record the right contract")
+        self.text_model, _ = trunk_parts(model)
+        self.lm_head = getattr(getattr(model, "language_model", model), "lm_head", None)
+
+    def hidden(self, tokens, cache):
+        """(1, S, H) post-norm hidden states of tokens (1, S), advancing cache."""
+        return self.text_model(tokens, cache=cache)
+
+    def embed(self, tokens):
+        """(…, H) input embeddings."""
+        return self.text_model.embed_tokens(tokens)
+
+    def logits(self, hidden):
+        """(…, V) logits through the lm_head, or the tied embedding."""
+        if self.lm_head is None:
+            return self.text_model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+
+@hookimpl
+def mtp_generate_step(prompt, model, options):
+    """The MTP decoding loop for a Qwen3.5-family model with a loaded head."""
+    loaded = getattr(model, "mtp_head", None)
+    if loaded is None or loaded.location.model_type not in MODEL_TYPES:
+        return None
+    return decoding.generate(prompt, QwenTrunk(model, loaded.module.contract), loaded.module, **options)

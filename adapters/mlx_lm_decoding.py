@@ -1,0 +1,170 @@
+"""mlx-lm adapter, decoding side: capture points for rollback, the generate-step override, samplers.
+
+* Capture points (inside mlx-lm's GatedDeltaNet layers, active only during a verify pass): the layer
+  call keeps its whole conv input window, ``gated_delta_update`` records its state after each token.
+* ``generate_step`` is wrapped: a model with a loaded head decodes through ``mtp_generate_step``;
+  anything else (no head, ``enable_mtp=False``, input embeddings, a custom sampler) is stock.
+* ``make_sampler`` is wrapped to describe the samplers it makes (temperature and filters, mlx-lm's
+  own ``apply_*`` functions in mlx-lm's order) so that rejection sampling uses exactly that distribution.
+* ``generate`` is wrapped to print the MTP summary line after mlx-lm's own figures.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import mlx.core as mx
+
+from mtp_plugin import rollback
+from mtp_plugin.decoding import DEFAULT_DEPTH, Sampling
+from mtp_plugin.plugins import hook
+from mtp_plugin.stats import MTPStats
+
+log = logging.getLogger("mtp_plugin")
+CAPTURE_POINTS = {"qwen3_5": "GatedDeltaNet", "qwen3_next": "Qwen3NextGatedDeltaNet"}  # module: layer class
+LINEAR_ATTENTION_MODULE = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_next"}
+
+
+class MTPUnsupported(ValueError):
+    """A generation option the MTP loop cannot honour; the message names it and the fix."""
+
+
+def capture_conv_window(call):
+    """Wrap a GatedDeltaNet ``__call__``: during a verify pass, keep the whole conv input in the cache."""
+
+    @functools.wraps(call)
+    def wrapper(self, inputs, mask=None, cache=None):
+        recorder = rollback.active()
+        if recorder is None or cache is None:
+            return call(self, inputs, mask, cache)
+        kernel = self.conv_kernel_size
+        self.conv_kernel_size = kernel + inputs.shape[1]
+        try:
+            with recorder.layer(cache, window=kernel - 1):
+                return call(self, inputs, mask, cache)
+        finally:
+            self.conv_kernel_size = kernel
+
+    return wrapper
+
+
+def capture_states(update):
+    """Wrap ``gated_delta_update``: during a verify pass, step token by token and record every state."""
+
+    @functools.wraps(update)
+    def wrapper(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, use_kernel=True):
+        recorder = rollback.active()
+        if recorder is None or recorder.current is None:
+            return update(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel)
+        outs, states = [], []
+        for t in range(q.shape[1]):
+            step = slice(t, t + 1)
+            out, state = update(q[:, step], k[:, step], v[:, step], a[:, step], b[:, step], A_log, dt_bias,
+                                state, None if mask is None else mask[:, step], use_kernel=use_kernel)
+            outs.append(out)
+            states.append(state)
+        recorder.record_states(states)
+        return mx.concatenate(outs, axis=1), state
+
+    return wrapper
+
+
+def describe_samplers(make_sampler):
+    """Wrap ``make_sampler`` so every temperature sampler it returns carries ``mtp_sampling``."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    signature = inspect.signature(make_sampler)
+
+    @functools.wraps(make_sampler)
+    def wrapper(*args, **kwargs):
+        sampler = make_sampler(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        s = bound.arguments
+        if s["temp"] == 0 or s.get("xtc_probability", 0.0) > 0.0:
+            return sampler
+        filters = []
+        if 0 < s["top_p"] < 1.0:
+            filters.append(functools.partial(apply_top_p, top_p=s["top_p"]))
+        if s["min_p"] != 0.0:
+            filters.append(functools.partial(apply_min_p, min_p=s["min_p"],
+                                             min_tokens_to_keep=s["min_tokens_to_keep"]))
+        if s["top_k"] > 0:
+            filters.append(functools.partial(apply_top_k, top_k=s["top_k"]))
+        sampler.mtp_sampling = Sampling(s["temp"], tuple(filters))
+        return sampler
+
+    return wrapper
+
+
+def decoding_options(model, loaded, depth, kwargs) -> dict | None:
+    """Options for ``mtp_generate_step`` from ``generate_step`` keyword arguments, or None for stock decoding.
+
+    Raises:
+        MTPUnsupported: ``max_kv_size`` (a rotating cache cannot be rolled back) or ``kv_bits``.
+    """
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from mlx_lm.sample_utils import greedy_sampler
+
+    if kwargs.get("input_embeddings") is not None:
+        return None
+    for option, why in (("max_kv_size", "a rotating KV cache cannot be rolled back after a rejected draft"),
+                        ("kv_bits", "the MTP loop does not quantize the KV cache")):
+        if kwargs.get(option) is not None:
+            raise MTPUnsupported(f"MTP decoding cannot honour {option}={kwargs[option]}: {why}; "
+                                 "drop the option or disable MTP (--no-mtp / enable_mtp=False)")
+    sampler = kwargs.get("sampler")
+    sampling = getattr(sampler, "mtp_sampling", None)
+    if sampler not in (None, greedy_sampler) and sampling is None:
+        log.warning("mtp_plugin: a custom sampler has no known distribution; decoding without MTP.")
+        return None
+    depth = depth or DEFAULT_DEPTH
+    loaded.stats = MTPStats(depth)
+    cache = kwargs.get("prompt_cache")
+    return {
+        "cache": make_prompt_cache(model) if cache is None else cache,
+        "head_cache": KVCache(),
+        "depth": depth,
+        "max_tokens": kwargs.get("max_tokens", 256),
+        "sampling": sampling,
+        "logits_processors": kwargs.get("logits_processors"),
+        "prefill_step_size": kwargs.get("prefill_step_size", 2048),
+        "prompt_progress_callback": kwargs.get("prompt_progress_callback"),
+        "stats": loaded.stats,
+    }
+
+
+def mtp_generate_step(generate_step, captured: set[str]):
+    """Wrap ``generate_step``: MTP for a model with a loaded head whose runtime layers have capture points."""
+
+    @functools.wraps(generate_step)
+    def wrapper(prompt, model, *args, mtp_depth=None, enable_mtp=True, **kwargs):
+        loaded = getattr(model, "mtp_head", None)
+        model_type = loaded.location.model_type if loaded is not None else None
+        if enable_mtp and LINEAR_ATTENTION_MODULE.get(model_type) in captured:
+            options = decoding_options(model, loaded, mtp_depth, kwargs)
+            if options is not None:
+                generator = hook().mtp_generate_step(prompt=prompt, model=model, options=options)
+                if generator is not None:
+                    return generator
+        return generate_step(prompt, model, *args, **kwargs)
+
+    return wrapper
+
+
+def print_summary(generate):
+    """Wrap ``generate``: after mlx-lm's figures (verbose), print the MTP line of this generation."""
+
+    @functools.wraps(generate)
+    def wrapper(model, tokenizer, prompt, *args, **kwargs):
+        loaded = getattr(model, "mtp_head", None)
+        if loaded is not None:
+            loaded.stats = None
+        text = generate(model, tokenizer, prompt, *args, **kwargs)
+        if kwargs.get("verbose") and loaded is not None and loaded.stats is not None:
+            print(loaded.stats.summary())
+        return text
+
+    return wrapper

@@ -1,0 +1,270 @@
+"""The MTP decoding loop: draft → verify → accept/reject → commit, one verify pass of the trunk per cycle.
+
+Each cycle the head drafts ``depth`` tokens (its first step consumes the trunk hidden states of every
+token committed since the last cycle, so its KV cache holds the pair (h[i], x[i+1]) for the whole
+context; further steps feed the head its own normed output and its own draft token), the trunk
+verifies ``[last token, drafts…]`` in one batched pass, and caches are rolled back to the accepted
+prefix (``rollback.py``) without running any token through the trunk again.
+
+Acceptance. Greedy: a draft is accepted iff it equals the trunk's argmax at its position, so the
+output is the trunk's own greedy output. Sampling: exact speculative sampling (Leviathan et al. 2023,
+"Fast Inference from Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023): accept
+draft d with probability min(1, p(d)/q(d)), on the first rejection sample the residual distribution
+norm(max(p − q, 0)), and sample a bonus token from p when every draft is accepted; p is the trunk's
+distribution after the runtime's logits processors and sampler filters, q the head's after the same
+filters, so the output distribution is exactly the trunk's.
+
+Host synchronisation: one per cycle (the accepted count and the block of tokens), where plain
+decoding syncs once per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import rollback
+from .stats import MTPStats
+
+DEFAULT_DEPTH = 2
+MAX_DEPTH = 8
+
+
+class Trunk(Protocol):
+    """What the loop needs of a trunk; a family builds it from the runtime's model."""
+
+    def hidden(self, tokens: mx.array, cache: list) -> mx.array:
+        """Hidden states (1, S, H) of ``tokens`` (1, S), in the head contract's variant, advancing ``cache``."""
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """Input embeddings (…, H) of integer ``tokens`` (…)."""
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Vocabulary logits (…, V) of trunk or head hidden states (…, H)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Temperature sampling exactly as the runtime's sampler does it.
+
+    Attributes:
+        temp: temperature > 0.
+        filters: functions log-probs (…, V) → filtered log-probs (-inf where excluded), in the
+            runtime sampler's order (e.g. mlx-lm's ``apply_top_p``, ``apply_min_p``, ``apply_top_k``).
+    """
+
+    temp: float
+    filters: tuple[Callable[[mx.array], mx.array], ...] = ()
+
+    def probs(self, logprobs: mx.array) -> mx.array:
+        """Sampling distribution (…, V), float32: softmax(filters(logprobs) / temp)."""
+        for f in self.filters:
+            logprobs = f(logprobs)
+        return mx.softmax(logprobs.astype(mx.float32) / self.temp, axis=-1)
+
+
+def _log_softmax(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _categorical(probs: mx.array) -> mx.array:
+    return mx.random.categorical(mx.log(probs))
+
+
+def accept_greedy(logprobs: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    """Greedy acceptance.
+
+    Args:
+        logprobs: trunk log-probs (D+1, V) at the verified positions.
+        drafts: draft tokens (D,).
+
+    Returns:
+        ``(accepted, block)``: scalar count a of leading drafts equal to the trunk's argmax, and the
+        (D+1,) trunk argmax tokens, of which the first a+1 are emitted.
+    """
+    target = mx.argmax(logprobs, axis=-1)
+    accepted = mx.cumprod(target[:-1] == drafts).sum()
+    return accepted, target
+
+
+def accept_sampled(p: mx.array, q: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    """Exact speculative sampling (Leviathan et al. 2023, Algorithm 1).
+
+    Args:
+        p: trunk sampling distribution (D+1, V) at the verified positions.
+        q: head sampling distribution (D, V) each draft was drawn from.
+        drafts: draft tokens (D,).
+
+    Returns:
+        ``(accepted, block)``: scalar count a of accepted drafts and (D+1,) tokens whose first a+1
+        are emitted: the drafts, then a residual sample max(p − q, 0) at the first rejection, or a
+        bonus sample from p[D] when every draft is accepted.
+    """
+    rows = mx.arange(drafts.shape[0])
+    p_d, q_d = p[rows, drafts], q[rows, drafts]
+    u = mx.random.uniform(shape=drafts.shape)
+    accepted = mx.cumprod(u * q_d < p_d).sum()
+    residual = mx.maximum(p[:-1] - q, 0.0)
+    residual = residual / mx.maximum(residual.sum(axis=-1, keepdims=True), 1e-30)
+    fallback = _categorical(mx.concatenate([residual, p[-1:]], axis=0))
+    index = mx.arange(drafts.shape[0] + 1)
+    block = mx.where(index < accepted, mx.concatenate([drafts, drafts[:1]]), fallback)
+    return accepted, block
+
+
+def generate(
+    prompt: mx.array,
+    trunk: Trunk,
+    head: nn.Module,
+    *,
+    cache: list,
+    head_cache,
+    depth: int = DEFAULT_DEPTH,
+    max_tokens: int = 256,
+    sampling: Sampling | None = None,
+    logits_processors: Sequence[Callable] | None = None,
+    prefill_step_size: int = 2048,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
+    stats: MTPStats | None = None,
+) -> Generator[tuple[int, mx.array], None, None]:
+    """Generate tokens with the head as drafter and the trunk as verifier (mlx-lm ``generate_step`` contract).
+
+    Args:
+        prompt: prompt token ids (T,), T ≥ 1.
+        trunk: the trunk's hidden/embed/logits functions.
+        head: the loaded MTP head module.
+        cache: the trunk's per-layer caches (updated in place; after the generator ends or is closed
+            it holds the prompt and every yielded token, as plain decoding leaves it).
+        head_cache: an empty trimmable KV cache for the head.
+        depth: draft depth d, 1 ≤ d ≤ 8.
+        max_tokens: tokens to generate (-1: no limit).
+        sampling: None for greedy, else the runtime sampler's temperature and filters.
+        logits_processors: mlx-lm style ``processor(tokens, logits) -> logits``, applied per verified position.
+        prefill_step_size: prompt tokens per trunk pass while prefilling.
+        prompt_progress_callback: ``callback(processed, total)`` during prefill.
+        stats: counters to fill (a fresh ``MTPStats`` if None).
+
+    Yields:
+        ``(token, logprobs)``: token id (int) and the trunk's log-probs (V,) at its position.
+
+    Raises:
+        ValueError: depth outside 1..8 or an empty prompt.
+        rollback.RollbackError: a cache that can neither be trimmed nor rolled back.
+    """
+    if not 1 <= depth <= MAX_DEPTH:
+        raise ValueError(f"draft depth must be 1..{MAX_DEPTH}, got {depth}")
+    if prompt.size == 0:
+        raise ValueError("MTP decoding needs at least one prompt token")
+    stats = stats if stats is not None else MTPStats(depth)
+    processors = list(logits_processors or [])
+    callback = prompt_progress_callback or (lambda *_: None)
+    history = prompt if processors else None
+
+    def logprobs_at(logits: mx.array, inputs: mx.array, past: mx.array | None) -> mx.array:
+        """Log-probs (S, V) after the processors, position i seeing ``past`` + ``inputs[:i+1]``."""
+        if processors:
+            rows = []
+            for i in range(inputs.size):
+                seen = mx.concatenate([past, inputs[: i + 1]]) if past is not None else inputs[: i + 1]
+                row = logits[i : i + 1]
+                for processor in processors:
+                    row = processor(seen, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        return _log_softmax(logits)
+
+    def feed_head(hidden: mx.array, tokens: mx.array) -> mx.array:
+        return head(hidden, trunk.embed(tokens[None]), cache=head_cache)
+
+    # Prefill exactly as plain decoding chunks it: all but the last prompt token, then the last.
+    total, done, carry = prompt.size, 0, None
+    callback(0, total)
+    while total - done > 1:
+        chunk = prompt[done : done + min(prefill_step_size, total - done - 1)]
+        carry = _head_prefill(feed_head, carry, trunk.hidden(chunk[None], cache), chunk)
+        mx.eval([c.state for c in cache], head_cache.state)
+        done += chunk.size
+        callback(done, total)
+    last = prompt[done:]
+    hidden = trunk.hidden(last[None], cache)
+    _head_prefill(feed_head, carry, hidden, last)
+    first = logprobs_at(trunk.logits(hidden[0, -1:]), last[-1:], prompt[:-1] if processors else None)
+    token = mx.argmax(first, axis=-1) if sampling is None else _categorical(sampling.probs(first))
+    callback(total, total)
+
+    pending_hidden, pending_tokens = hidden[:, -1:], token
+    block, block_logprobs = token.tolist(), first
+    accepted, recorder, emitted, n = 0, None, 0, 0
+    try:
+        while True:
+            for emitted, tok in enumerate(block, start=1):
+                yield tok, block_logprobs[emitted - 1]
+                n += 1
+                if n == max_tokens:
+                    return
+            if recorder is not None:
+                stats.record(accepted, len(block))
+            emitted = 0
+            # Draft.
+            g = feed_head(pending_hidden, pending_tokens)[:, -1:]
+            drafts, qs = [], []
+            for k in range(depth):
+                draft_logprobs = _log_softmax(trunk.logits(g)[0].astype(mx.float32))
+                if sampling is None:
+                    d = mx.argmax(draft_logprobs, axis=-1)
+                else:
+                    qs.append(sampling.probs(draft_logprobs))
+                    d = _categorical(qs[-1])
+                drafts.append(d)
+                if k < depth - 1:
+                    g = feed_head(g, d)
+            drafts = mx.concatenate(drafts)
+            # Verify.
+            inputs = mx.concatenate([pending_tokens[-1:], drafts])
+            with rollback.capturing(inputs.size) as recorder:
+                hidden = trunk.hidden(inputs[None], cache)
+            logprobs = logprobs_at(trunk.logits(hidden[0]), inputs, history)
+            if sampling is None:
+                accepted_arr, tokens = accept_greedy(logprobs, drafts)
+            else:
+                accepted_arr, tokens = accept_sampled(sampling.probs(logprobs), mx.concatenate(qs), drafts)
+            mx.eval(accepted_arr, tokens)
+            accepted = accepted_arr.item()
+            block, block_logprobs = tokens[: accepted + 1].tolist(), logprobs
+            # Commit.
+            recorder.commit(cache, accepted + 1)
+            if depth > 1:
+                head_cache.trim(depth - 1)
+            if processors:
+                history = mx.concatenate([history, inputs[: accepted + 1]])
+            pending_hidden, pending_tokens = hidden[:, : accepted + 1], tokens[: accepted + 1]
+    finally:
+        _settle(trunk, cache, recorder, block, emitted, accepted, stats)
+
+
+def _head_prefill(feed_head, carry: mx.array | None, hidden: mx.array, tokens: mx.array) -> mx.array:
+    """Run the head on the pairs (h[i], x[i+1]) completed by this chunk; returns the chunk's last hidden."""
+    pairs_hidden = hidden[:, :-1] if carry is None else mx.concatenate([carry, hidden[:, :-1]], axis=1)
+    pairs_tokens = tokens[1:] if carry is None else tokens
+    if pairs_tokens.size:
+        feed_head(pairs_hidden, pairs_tokens)
+    return hidden[:, -1:]
+
+
+def _settle(trunk, cache, recorder, block, emitted, accepted, stats) -> None:
+    """Leave the trunk cache holding exactly the prompt and every yielded token, as plain decoding does."""
+    if emitted == 0:
+        return
+    if recorder is None:  # only the first token was yielded: plain decoding has fed it
+        trunk.hidden(mx.array(block[:1])[None], cache)
+    elif emitted <= accepted:
+        stats.record(emitted, emitted)
+        recorder.commit(cache, emitted + 1)
+    else:  # the bonus token was yielded; plain decoding has fed it
+        stats.record(accepted, emitted)
+        trunk.hidden(mx.array(block[-1:])[None], cache)
+    mx.eval([c.state for c in cache])

@@ -1,0 +1,90 @@
+"""Roll back caches that cannot be trimmed (GatedDeltaNet conv + recurrent state) after a verify pass.
+
+During a verify pass of S tokens, a runtime adapter's capture points (wired inside the runtime's
+GatedDeltaNet layer) report to the active ``Recorder``: the layer's cache keeps its whole conv
+input window (K-1+S rows instead of K-1) and the recurrence records its state after each token.
+``Recorder.commit(keep)`` then sets every captured cache to its state after the first ``keep``
+tokens and trims every trimmable (KV) cache by ``S - keep``: no token is run through the trunk
+again, and the memory held is S states per layer, independent of context length.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+_local = threading.local()
+
+
+class RollbackError(RuntimeError):
+    """A cache that can neither be trimmed nor was captured; rolling back would give wrong output."""
+
+
+@dataclass
+class LayerRecord:
+    """One captured linear-attention cache: conv window width ``window`` (K-1), per-token states."""
+
+    cache: object
+    window: int
+    rows: object = None
+    states: list = field(default_factory=list)
+
+
+class Recorder:
+    """Collects, for one verify pass of ``tokens`` tokens, what each non-trimmable cache needs to roll back."""
+
+    def __init__(self, tokens: int):
+        self.kept = tokens
+        self.layers: dict[int, LayerRecord] = {}
+        self.current: LayerRecord | None = None
+
+    @contextmanager
+    def layer(self, cache, window: int):
+        """Scope of one layer call: capture points inside it report to this layer's record."""
+        self.current = self.layers.setdefault(id(cache), LayerRecord(cache, window))
+        try:
+            yield self.current
+        finally:
+            self.current.rows = cache[0]
+            self.current = None
+
+    def record_states(self, states: list) -> None:
+        """Per-token recurrent states of the layer being called (list of S arrays)."""
+        if self.current is not None:
+            self.current.states = list(states)
+
+    def commit(self, caches: list, keep: int) -> None:
+        """Set every cache to its state after the first ``keep`` (1 ≤ keep ≤ S) verified tokens.
+
+        May be called again with a smaller ``keep`` (generation stopped inside the accepted block).
+
+        Raises:
+            RollbackError: a cache that was neither captured nor is trimmable.
+        """
+        drop, self.kept = self.kept - keep, keep
+        for cache in caches:
+            record = self.layers.get(id(cache))
+            if record is not None:
+                cache[0] = record.rows[:, keep : keep + record.window]
+                cache[1] = record.states[keep - 1]
+            elif drop and cache.is_trimmable():
+                cache.trim(drop)
+            elif drop:
+                raise RollbackError(f"{type(cache).__name__} cannot be rolled back by {drop} tokens")
+
+
+def active() -> Recorder | None:
+    """The recorder of the verify pass running on this thread, if any (called by capture points)."""
+    return getattr(_local, "recorder", None)
+
+
+@contextmanager
+def capturing(tokens: int):
+    """Activate a ``Recorder`` for a verify pass of ``tokens`` tokens on this thread."""
+    recorder = Recorder(tokens)
+    _local.recorder = recorder
+    try:
+        yield recorder
+    finally:
+        _local.recorder = None

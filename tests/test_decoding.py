@@ -1,0 +1,137 @@
+"""MTP decoding in mlx-lm: lossless greedy output, exact rollback, exact sampling distribution.
+
+Random tiny float32 models of every family member; their random heads are rejected at the first
+draft (every cycle exercises rollback); the trained tiny checkpoint (test_tiny_checkpoint.py)
+exercises acceptance at every depth.
+"""
+
+import importlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from builders import KINDS, build_head, build_model, config_for, save_checkpoint, trunk_weights
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.utils import load_model
+
+from mtp_plugin import rollback
+
+PROMPTS = {"1-token": [7], "short": [3, 17, 42, 99, 7, 128, 5, 64], "long": list(range(1, 301))}
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model(request, tmp_path_factory):
+    config = config_for(request.param)
+    built = build_model(config)
+    path = save_checkpoint(tmp_path_factory.mktemp(request.param), config, trunk_weights(built),
+                           build_head(built, config), "mtp.safetensors")
+    return load_model(path)[0]
+
+
+def generate_step(*args, **kwargs):
+    """mlx-lm's generate_step as patched now (looked up at call time)."""
+    return importlib.import_module("mlx_lm.generate").generate_step(*args, **kwargs)
+
+
+def tokens(model, prompt, **kwargs):
+    return [t for t, _ in generate_step(mx.array(prompt), model, **kwargs)]
+
+
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+@pytest.mark.parametrize("depth", [1, 2, 3, 8])
+def test_greedy_identical_to_plain(model, prompt, depth):
+    kwargs = dict(max_tokens=24, prefill_step_size=64)
+    plain = tokens(model, PROMPTS[prompt], enable_mtp=False, **kwargs)
+    assert tokens(model, PROMPTS[prompt], mtp_depth=depth, **kwargs) == plain
+    stats = model.mtp_head.stats
+    assert stats.cycles > 0 and stats.emitted == len(plain) - 1
+
+
+def test_logits_processors_applied_per_position(model):
+    kwargs = dict(max_tokens=24, logits_processors=make_logits_processors(repetition_penalty=1.5))
+    plain = tokens(model, PROMPTS["short"], enable_mtp=False, **kwargs)
+    assert tokens(model, PROMPTS["short"], mtp_depth=3, **kwargs) == plain
+
+
+def cache_arrays(cache):
+    out = []
+    for c in cache:
+        if hasattr(c, "offset"):
+            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+        else:
+            out += list(c.cache)
+    return [np.array(a) for a in out]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 13])
+def test_cache_after_generation_equals_plain(model, max_tokens):
+    """The trunk cache ends holding prompt + every yielded token, exactly as plain decoding leaves it."""
+    caches = []
+    for enable in (False, True):
+        cache = make_prompt_cache(model)
+        tokens(model, PROMPTS["short"], max_tokens=max_tokens, prompt_cache=cache, enable_mtp=enable, mtp_depth=4)
+        caches.append(cache_arrays(cache))
+    for plain, mtp in zip(*caches, strict=True):
+        np.testing.assert_allclose(mtp, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_generator_closed_early_leaves_plain_cache(model):
+    caches = []
+    for enable in (False, True):
+        cache = make_prompt_cache(model)
+        generator = generate_step(mx.array(PROMPTS["short"]), model, prompt_cache=cache, enable_mtp=enable,
+                                  mtp_depth=3)
+        for _ in range(4):
+            next(generator)
+        generator.close()
+        caches.append(cache_arrays(cache))
+    for plain, mtp in zip(*caches, strict=True):
+        np.testing.assert_allclose(mtp, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_cache_reuse_across_calls(model):
+    first, second = PROMPTS["short"], [11, 12, 13]
+    outputs = []
+    for enable in (False, True):
+        cache = make_prompt_cache(model)
+        a = tokens(model, first, max_tokens=6, prompt_cache=cache, enable_mtp=enable)
+        b = tokens(model, second, max_tokens=10, prompt_cache=cache, enable_mtp=enable)
+        outputs.append((a, b))
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3, 5, 6])
+def test_rollback_equals_plain_replay(model, keep):
+    """Verify 6 tokens with capture, commit the first ``keep``: every cache equals feeding only those."""
+    prefix, verify = mx.array([[5, 9, 2, 44]]), mx.array([[8, 1, 77, 3, 19, 60]])
+    captured, replayed = make_prompt_cache(model), make_prompt_cache(model)
+    for cache in (captured, replayed):
+        model(prefix, cache=cache)
+    with rollback.capturing(verify.shape[1]) as recorder:
+        model(verify, cache=captured)
+    recorder.commit(captured, keep)
+    model(verify[:, :keep], cache=replayed)
+    for got, want in zip(cache_arrays(captured), cache_arrays(replayed), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(model(mx.array([[4]]), cache=captured)),
+                               np.array(model(mx.array([[4]]), cache=replayed)), rtol=1e-5, atol=1e-5)
+
+
+def test_rotating_cache_is_refused(model):
+    with pytest.raises(ValueError, match="max_kv_size"):
+        tokens(model, PROMPTS["short"], max_tokens=4, max_kv_size=64)
+
+
+def test_invalid_depth_is_refused(model):
+    with pytest.raises(ValueError, match="draft depth"):
+        tokens(model, PROMPTS["short"], max_tokens=4, mtp_depth=9)
+
+
+def test_head_memory_is_released(model):
+    """Rollback keeps S states per layer, never context-length state: nothing of a generation outlives it."""
+    del model.mtp_head.stats
+    before = sum(v.nbytes for _, v in tree_flatten(model.mtp_head.module.parameters()))
+    tokens(model, PROMPTS["long"], max_tokens=8, mtp_depth=4)
+    assert sum(v.nbytes for _, v in tree_flatten(model.mtp_head.module.parameters())) == before
