@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import weakref
 
 import mlx.core as mx
 
@@ -22,9 +23,14 @@ from mtp_plugin.decoding import DEFAULT_DEPTH, Sampling
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
 
+from .patching import release
+
 log = logging.getLogger("mtp_plugin")
 CAPTURE_POINTS = {"qwen3_5": "GatedDeltaNet", "qwen3_next": "Qwen3NextGatedDeltaNet"}  # module: layer class
 LINEAR_ATTENTION_MODULE = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_next"}
+# mlx-lm < 0.32 shows logits processors only the tokens after the chunked prefill (measured on 0.31.3).
+PREFILL_IN_HISTORY = release("mlx-lm") >= (0, 32, 0)
+SAMPLINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sampler -> Sampling, None when greedy
 
 
 class MTPUnsupported(ValueError):
@@ -72,7 +78,7 @@ def capture_states(update):
 
 
 def describe_samplers(make_sampler):
-    """Wrap ``make_sampler`` so every temperature sampler it returns carries ``mtp_sampling``."""
+    """Wrap ``make_sampler`` so that ``SAMPLINGS`` describes every sampler it returns (None: greedy)."""
     from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
     signature = inspect.signature(make_sampler)
@@ -83,6 +89,8 @@ def describe_samplers(make_sampler):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         s = bound.arguments
+        if s["temp"] == 0:
+            SAMPLINGS[sampler] = None
         if s["temp"] == 0 or s.get("xtc_probability", 0.0) > 0.0:
             return sampler
         filters = []
@@ -93,7 +101,7 @@ def describe_samplers(make_sampler):
                                              min_tokens_to_keep=s["min_tokens_to_keep"]))
         if s["top_k"] > 0:
             filters.append(functools.partial(apply_top_k, top_k=s["top_k"]))
-        sampler.mtp_sampling = Sampling(s["temp"], tuple(filters))
+        SAMPLINGS[sampler] = Sampling(s["temp"], tuple(filters))
         return sampler
 
     return wrapper
@@ -106,7 +114,6 @@ def decoding_options(model, loaded, depth, kwargs) -> dict | None:
         MTPUnsupported: ``max_kv_size`` (a rotating cache cannot be rolled back) or ``kv_bits``.
     """
     from mlx_lm.models.cache import KVCache, make_prompt_cache
-    from mlx_lm.sample_utils import greedy_sampler
 
     if kwargs.get("input_embeddings") is not None:
         return None
@@ -116,8 +123,7 @@ def decoding_options(model, loaded, depth, kwargs) -> dict | None:
             raise MTPUnsupported(f"MTP decoding cannot honour {option}={kwargs[option]}: {why}; "
                                  "drop the option or disable MTP (--no-mtp / enable_mtp=False)")
     sampler = kwargs.get("sampler")
-    sampling = getattr(sampler, "mtp_sampling", None)
-    if sampler not in (None, greedy_sampler) and sampling is None:
+    if sampler is not None and sampler not in SAMPLINGS:
         log.warning("mtp_plugin: a custom sampler has no known distribution; decoding without MTP.")
         return None
     depth = depth or DEFAULT_DEPTH
@@ -128,10 +134,11 @@ def decoding_options(model, loaded, depth, kwargs) -> dict | None:
         "head_cache": KVCache(),
         "depth": depth,
         "max_tokens": kwargs.get("max_tokens", 256),
-        "sampling": sampling,
+        "sampling": None if sampler is None else SAMPLINGS[sampler],
         "logits_processors": kwargs.get("logits_processors"),
         "prefill_step_size": kwargs.get("prefill_step_size", 2048),
         "prompt_progress_callback": kwargs.get("prompt_progress_callback"),
+        "prefill_history": PREFILL_IN_HISTORY,
         "stats": loaded.stats,
     }
 

@@ -35,6 +35,14 @@ class Patches:
                 setattr(owner, name, original)
 
 
+def release(distribution: str) -> tuple[int, ...]:
+    """The installed release of ``distribution`` as a tuple of ints, () when not installed."""
+    try:
+        return _release(metadata.version(distribution))
+    except metadata.PackageNotFoundError:
+        return ()
+
+
 def _release(version: str) -> tuple[int, ...]:
     parts = []
     for piece in version.split(".")[:3]:

@@ -129,6 +129,7 @@ def generate(
     logits_processors: Sequence[Callable] | None = None,
     prefill_step_size: int = 2048,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
+    prefill_history: bool = True,
     stats: MTPStats | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Generate tokens with the head as drafter and the trunk as verifier (mlx-lm ``generate_step`` contract).
@@ -146,6 +147,8 @@ def generate(
         logits_processors: mlx-lm style ``processor(tokens, logits) -> logits``, applied per verified position.
         prefill_step_size: prompt tokens per trunk pass while prefilling.
         prompt_progress_callback: ``callback(processed, total)`` during prefill.
+        prefill_history: whether logits processors see the whole prompt (mlx-lm ≥ 0.32) or only the
+            tokens after the chunked prefill, i.e. the last prompt token (earlier mlx-lm).
         stats: counters to fill (a fresh ``MTPStats`` if None).
 
     Yields:
@@ -162,7 +165,7 @@ def generate(
     stats = stats if stats is not None else MTPStats(depth)
     processors = list(logits_processors or [])
     callback = prompt_progress_callback or (lambda *_: None)
-    history = prompt if processors else None
+    history = (prompt if prefill_history else prompt[-1:]) if processors else None
 
     def logprobs_at(logits: mx.array, inputs: mx.array, past: mx.array | None) -> mx.array:
         """Log-probs (S, V) after the processors, position i seeing ``past`` + ``inputs[:i+1]``."""
@@ -192,7 +195,7 @@ def generate(
     last = prompt[done:]
     hidden = trunk.hidden(last[None], cache)
     _head_prefill(feed_head, carry, hidden, last)
-    first = logprobs_at(trunk.logits(hidden[0, -1:]), last[-1:], prompt[:-1] if processors else None)
+    first = logprobs_at(trunk.logits(hidden[0, -1:]), last[-1:], history[:-1] if processors else None)
     token = mx.argmax(first, axis=-1) if sampling is None else _categorical(sampling.probs(first))
     callback(total, total)
 

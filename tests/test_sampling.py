@@ -1,0 +1,76 @@
+"""Temperature sampling with MTP draws from exactly the trunk's distribution (exact rejection sampling).
+
+A small-vocabulary float32 model with a random head (so drafts are accepted and rejected often): the
+empirical distribution of generated tokens 2 and 3 under MTP is compared, by a chi-square
+goodness-of-fit test, with the exact marginals computed from the trunk by enumeration.
+"""
+
+import importlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
+from mlx_lm.sample_utils import apply_top_k, make_sampler
+from mlx_lm.utils import load_model
+from scipy.stats import chisquare
+
+VOCAB = 24
+PROMPT = [3, 9, 1, 17]
+RUNS = 1500
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    config = config_for("qwen3_5")
+    config["text_config"]["vocab_size"] = VOCAB
+    built = build_model(config, seed=3)
+    path = save_checkpoint(tmp_path_factory.mktemp("small"), config, trunk_weights(built),
+                           build_head(built, config), "mtp.safetensors")
+    return load_model(path)[0]
+
+
+def distribution(model, sequences, temp, top_k):
+    """Sampling distribution of the next token after each sequence (rows), as mlx-lm's sampler defines it."""
+    logits = model(mx.array(sequences))[:, -1, :].astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if top_k:
+        logprobs = apply_top_k(logprobs, top_k)
+    return np.array(mx.softmax(logprobs / temp, axis=-1))
+
+
+def exact_marginals(model, temp, top_k):
+    """Exact marginal distributions of generated tokens 2 and 3 by enumerating tokens 1 and 2."""
+    p1 = distribution(model, [PROMPT], temp, top_k)[0]
+    p2 = distribution(model, [PROMPT + [a] for a in range(VOCAB)], temp, top_k)
+    p3 = distribution(model, [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)], temp, top_k)
+    joint12 = p1[:, None] * p2
+    return joint12.sum(0), (joint12.reshape(-1, 1) * p3).sum(0)
+
+
+def chi_square_p(samples, expected):
+    observed = np.bincount(samples, minlength=VOCAB).astype(float)
+    expected = expected.astype(np.float64)
+    expected = expected / expected.sum() * len(samples)
+    keep = expected >= 5
+    observed = np.append(observed[keep], observed[~keep].sum())
+    expected = np.append(expected[keep], expected[~keep].sum())
+    return chisquare(observed[expected > 0], expected[expected > 0]).pvalue
+
+
+@pytest.mark.parametrize("temp,top_k,depth", [(1.0, 0, 2), (0.7, 8, 3)])
+def test_mtp_sampling_matches_trunk_distribution(model, temp, top_k, depth):
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    sampler = make_sampler(temp=temp, top_k=top_k)
+    mx.random.seed(1234)
+    second, third, accepted, drafted = [], [], 0, 0
+    for _ in range(RUNS):
+        out = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=3, sampler=sampler, mtp_depth=depth)]
+        second.append(out[1])
+        third.append(out[2])
+        accepted += model.mtp_head.stats.accepted
+        drafted += model.mtp_head.stats.drafted
+    assert 0 < accepted < drafted  # both acceptance and the residual path were exercised
+    m2, m3 = exact_marginals(model, temp, top_k)
+    assert chi_square_p(np.array(second), m2) > 1e-3
+    assert chi_square_p(np.array(third), m3) > 1e-3
