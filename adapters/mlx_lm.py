@@ -28,7 +28,7 @@ from .patching import Patches, version_in_range
 
 TESTED = ("0.30.7", "0.33")
 _patches = Patches()
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entered when patching imports the runtime itself
 
 
 def strip_head_tensors(sanitize, model_type: str):
@@ -56,12 +56,15 @@ def _keep_head(load_model):
 
 
 @hookimpl
-def mtp_patch_runtime():
+def mtp_patch_runtime(runtime):
     """Wrap ``sanitize`` of every handled model class and ``mlx_lm.utils.load_model``."""
     with _lock:
-        if _patches.active or not version_in_range("mlx-lm", *TESTED):
+        if runtime not in (None, "mlx_lm") or not version_in_range("mlx-lm", *TESTED):
             return
-        import mlx_lm.utils
+        import mlx_lm.utils  # may re-enter this hook through the post-import hook
+
+        if _patches.active:
+            return
 
         for model_type in sorted(set(sum(hook().mtp_model_types(), []))):
             try:

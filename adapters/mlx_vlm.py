@@ -21,7 +21,7 @@ from .patching import Patches, version_in_range
 
 TESTED = ("0.6.5", "0.8")
 _patches = Patches()
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entered when patching imports the runtime itself
 
 
 def _keep_head(load_model):
@@ -38,12 +38,15 @@ def _keep_head(load_model):
 
 
 @hookimpl
-def mtp_patch_runtime():
+def mtp_patch_runtime(runtime):
     """Wrap ``sanitize`` of every handled model class and ``mlx_vlm.utils.load_model``."""
     with _lock:
-        if _patches.active or not version_in_range("mlx-vlm", *TESTED):
+        if runtime not in (None, "mlx_vlm") or not version_in_range("mlx-vlm", *TESTED):
             return
-        import mlx_vlm.utils
+        import mlx_vlm.utils  # may re-enter this hook through the post-import hook
+
+        if _patches.active:
+            return
 
         for model_type in sorted(set(sum(hook().mtp_model_types(), []))):
             try:

@@ -7,6 +7,7 @@ from importlib import metadata
 
 log = logging.getLogger("mtp_plugin")
 _MISSING = object()
+_warned: set[str] = set()
 
 
 class Patches:
@@ -54,7 +55,7 @@ def _release(version: str) -> tuple[int, ...]:
 def version_in_range(distribution: str, lowest: str, below: str) -> str | None:
     """The installed version of ``distribution`` if ``lowest <= version < below``; else None.
 
-    A version outside the tested range is logged once (a warning) by the caller's single call.
+    A version outside the tested range is logged as a warning once per process.
     """
     try:
         version = metadata.version(distribution)
@@ -62,6 +63,8 @@ def version_in_range(distribution: str, lowest: str, below: str) -> str | None:
         return None
     if _release(lowest) <= _release(version) < _release(below):
         return version
-    log.warning("mtp_plugin: %s %s is outside the tested range [%s, %s); leaving it stock.",
-                distribution, version, lowest, below)
+    if distribution not in _warned:
+        _warned.add(distribution)
+        log.warning("mtp_plugin: %s %s is outside the tested range [%s, %s); leaving it stock.",
+                    distribution, version, lowest, below)
     return None

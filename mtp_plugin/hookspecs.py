@@ -72,8 +72,8 @@ def mtp_generate_step(prompt, model, options: dict):
 
 
 @hookspec
-def mtp_patch_runtime() -> None:
-    """Install this plugin's runtime patches (idempotent); called by ``mtp_plugin.patch()``."""
+def mtp_patch_runtime(runtime: str | None) -> None:
+    """Install this plugin's patches for ``runtime`` (``"mlx_lm"``, ``"mlx_vlm"``; None: all), idempotently."""
 
 
 @hookspec

@@ -1,0 +1,68 @@
+"""Zero-configuration activation, loaded at interpreter start-up by ``mtp_plugin.pth``.
+
+Start-up cost is one tiny module and one ``sys.meta_path`` entry: no mlx, mlx-lm or pluggy import.
+When ``mlx_lm`` or ``mlx_vlm`` is imported later, the hook runs ``mtp_plugin.patch()`` right after
+the package has executed. ``MTP_PLUGIN_DISABLE=1`` turns it off. A patch error never breaks the host
+program: it is logged once and the runtime stays stock.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+WATCHED = ("mlx_lm", "mlx_vlm")
+DISABLE_ENV = "MTP_PLUGIN_DISABLE"
+
+
+class _PatchAfterImport:
+    """Finds nothing itself: wraps the real loader of a watched package to patch after it executes."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in WATCHED:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+
+class _Loader:
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _patch_quietly(module.__name__)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+def _patch_quietly(runtime: str) -> None:
+    try:
+        import mtp_plugin
+
+        mtp_plugin.patch(runtime)
+    except Exception:  # never break the host program
+        import logging
+
+        logging.getLogger("mtp_plugin").warning("mtp_plugin: patch failed; runtime left stock.", exc_info=True)
+
+
+def install() -> None:
+    """Put the finder first on ``sys.meta_path`` (once), unless disabled by the environment."""
+    disabled = os.environ.get(DISABLE_ENV, "") not in ("", "0")
+    if disabled or any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _PatchAfterImport())
+
+
+install()
