@@ -18,6 +18,7 @@ from mtp_plugin.plugins import hook
 
 from .mlx_lm_decoding import (
     CAPTURE_POINTS,
+    add_cli_flags,
     capture_conv_window,
     capture_states,
     describe_samplers,
@@ -95,6 +96,7 @@ def _patch_decoding():
     _patches.wrap(generate_module, "generate_step", functools.partial(mtp_generate_step, captured=captured))
     for module in (generate_module, mlx_lm):
         _patches.wrap(module, "generate", print_summary)
+    _patches.wrap(generate_module, "setup_arg_parser", add_cli_flags)
 
 
 @hookimpl

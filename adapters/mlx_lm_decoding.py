@@ -6,14 +6,17 @@
   anything else (no head, ``enable_mtp=False``, input embeddings, a custom sampler) is stock.
 * ``make_sampler`` is wrapped to describe the samplers it makes (temperature and filters, mlx-lm's
   own ``apply_*`` functions in mlx-lm's order) so that rejection sampling uses exactly that distribution.
-* ``generate`` is wrapped to print the MTP summary line after mlx-lm's own figures.
+* ``generate`` is wrapped to print which head is used (stderr) and the MTP summary line after
+  mlx-lm's own figures; ``setup_arg_parser`` gains ``--mtp-depth N`` (0 = automatic) and ``--no-mtp``.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import inspect
 import logging
+import sys
 import weakref
 
 import mlx.core as mx
@@ -30,6 +33,7 @@ CAPTURE_POINTS = {"qwen3_5": "GatedDeltaNet", "qwen3_next": "Qwen3NextGatedDelta
 LINEAR_ATTENTION_MODULE = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_next"}
 # mlx-lm < 0.32 shows logits processors only the tokens after the chunked prefill (measured on 0.31.3).
 PREFILL_IN_HISTORY = release("mlx-lm") >= (0, 32, 0)
+CLI = {"depth": 0, "enabled": True}  # set by --mtp-depth / --no-mtp; 0 = automatic
 SAMPLINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sampler -> Sampling, None when greedy
 
 
@@ -126,7 +130,7 @@ def decoding_options(model, loaded, depth, kwargs) -> dict | None:
     if sampler is not None and sampler not in SAMPLINGS:
         log.warning("mtp_plugin: a custom sampler has no known distribution; decoding without MTP.")
         return None
-    depth = depth or DEFAULT_DEPTH
+    depth = depth or CLI["depth"] or DEFAULT_DEPTH
     loaded.stats = MTPStats(depth)
     cache = kwargs.get("prompt_cache")
     return {
@@ -147,9 +151,10 @@ def mtp_generate_step(generate_step, captured: set[str]):
     """Wrap ``generate_step``: MTP for a model with a loaded head whose runtime layers have capture points."""
 
     @functools.wraps(generate_step)
-    def wrapper(prompt, model, *args, mtp_depth=None, enable_mtp=True, **kwargs):
+    def wrapper(prompt, model, *args, mtp_depth=None, enable_mtp=None, **kwargs):
         loaded = getattr(model, "mtp_head", None)
         model_type = loaded.location.model_type if loaded is not None else None
+        enable_mtp = CLI["enabled"] if enable_mtp is None else enable_mtp
         if enable_mtp and LINEAR_ATTENTION_MODULE.get(model_type) in captured:
             options = decoding_options(model, loaded, mtp_depth, kwargs)
             if options is not None:
@@ -162,16 +167,49 @@ def mtp_generate_step(generate_step, captured: set[str]):
 
 
 def print_summary(generate):
-    """Wrap ``generate``: after mlx-lm's figures (verbose), print the MTP line of this generation."""
+    """Wrap ``generate``: with ``verbose``, say on stderr which head decodes at what depth, and print the
+    MTP line of this generation after mlx-lm's own figures."""
 
     @functools.wraps(generate)
     def wrapper(model, tokenizer, prompt, *args, **kwargs):
         loaded = getattr(model, "mtp_head", None)
         if loaded is not None:
             loaded.stats = None
+            enabled = kwargs.get("enable_mtp", CLI["enabled"])
+            if kwargs.get("verbose") and enabled:
+                announce(loaded, kwargs.get("mtp_depth") or CLI["depth"] or DEFAULT_DEPTH)
         text = generate(model, tokenizer, prompt, *args, **kwargs)
         if kwargs.get("verbose") and loaded is not None and loaded.stats is not None:
             print(loaded.stats.summary())
         return text
 
     return wrapper
+
+
+class _SetCLI(argparse.Action):
+    """Store the option's value (or ``const`` for a flag) in the namespace and in ``CLI``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = self.const if self.nargs == 0 else values
+        setattr(namespace, self.dest, value)
+        CLI[self.dest] = value
+
+
+def add_cli_flags(setup_arg_parser):
+    """Wrap ``setup_arg_parser``: add ``--mtp-depth`` and ``--no-mtp`` (they set ``CLI``)."""
+
+    @functools.wraps(setup_arg_parser)
+    def wrapper(*args, **kwargs):
+        parser = setup_arg_parser(*args, **kwargs)
+        parser.add_argument("--mtp-depth", dest="depth", type=int, default=0, action=_SetCLI,
+                            help="MTP draft depth 1-8 (0: automatic). Needs a checkpoint with an MTP head.")
+        parser.add_argument("--no-mtp", dest="enabled", action=_SetCLI, nargs=0, const=False, default=True,
+                            help="Decode without the MTP head even if the checkpoint has one.")
+        return parser
+
+    return wrapper
+
+
+def announce(loaded, depth: int) -> None:
+    """One line on stderr: MTP is on, which head from where, at what depth."""
+    print(f"MTP on: {loaded.summary()}, depth {depth}", file=sys.stderr)

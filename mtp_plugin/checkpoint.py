@@ -11,6 +11,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
+
 from .hookspecs import hookimpl
 from .plugins import hook
 
@@ -179,6 +182,31 @@ def load_tensors(tensors: list[HeadTensor]) -> dict:
     return out
 
 
+def trunk_headers(location: HeadLocation) -> dict[tuple[Path, str], tuple]:
+    """Headers of the trunk tensors: ``{(file, name): (shape, dtype)}`` (head tensors excluded)."""
+    out = {}
+    for path in location.trunk_files:
+        names, _ = hook().mtp_read_tensor_names(path=path) or ({}, {})
+        head = {t.name for t in location.tensors.values() if t.file == path}
+        out.update({(path, n): v for n, v in names.items() if n not in head})
+    return out
+
+
+def trunk_norms(location: HeadLocation, headers: dict) -> dict[str, np.ndarray]:
+    """Trunk RMSNorm weights in the absolute convention (an unconverted HF trunk is zero-centred)."""
+    hf_layout = any("conv1d.weight" in n and shape[-1] != 1 for (_, n), (shape, _) in headers.items())
+    by_file: dict[Path, list[str]] = {}
+    for (path, name), (shape, _) in headers.items():
+        if len(shape) == 1 and name.endswith("norm.weight") and ".linear_attn." not in name:
+            by_file.setdefault(path, []).append(name)
+    out = {}
+    for path, names in by_file.items():
+        arrays = hook().mtp_load_sidecar(path=path, names=names)
+        for name in names:
+            out[name] = np.array(arrays[name].astype(mx.float32)) + (1.0 if hf_layout else 0.0)
+    return out
+
+
 @hookimpl
 def mtp_read_tensor_names(path):
     """Header of a ``.safetensors`` file as ``({name: (shape, dtype)}, metadata)``; None for other formats."""
@@ -201,8 +229,6 @@ def mtp_read_tensor_names(path):
 @hookimpl
 def mtp_load_sidecar(path, names):
     """Tensors ``names`` of a ``.safetensors`` file as ``{name: mx.array}``; None for other formats."""
-    import mlx.core as mx
-
     path = Path(path)
     if path.suffix != ".safetensors":
         return None

@@ -144,3 +144,11 @@ def reference_means(trunk: dict, roles: dict[str, str]) -> dict[str, float]:
         if values:
             out[head_name] = float(np.mean(values))
     return out
+
+
+def declared_norms(metadata: dict) -> dict | str | None:
+    """The norm convention recorded in metadata: one string for all norms or a per-name dict."""
+    raw = metadata.get(NORM_KEY)
+    if isinstance(raw, str) and raw.startswith("{"):
+        return json.loads(raw)
+    return raw

@@ -2,28 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
-from mlx.utils import tree_flatten
 
-from .checkpoint import CheckpointError, HeadLocation, find_head, load_tensors
+from .checkpoint import CheckpointError, HeadLocation, find_head
 from .conventions import (
-    NORM_KEY,
     ZERO_CENTRED,
     Contract,
     NormDecision,
-    decide_norm,
     describe_quantization,
-    is_norm,
     quantization_of,
-    reference_means,
 )
+from .headfile import normalised_head
 from .plugins import hook
 from .stats import MTPStats
 
@@ -57,14 +51,6 @@ class LoadedHead:
                 f"norms: {zero} zero-centred / {len(self.norms) - zero} absolute")
 
 
-def declared_norms(metadata: dict) -> dict | str | None:
-    """The norm convention recorded in metadata: one string for all norms or a per-name dict."""
-    raw = metadata.get(NORM_KEY)
-    if isinstance(raw, str) and raw.startswith("{"):
-        return json.loads(raw)
-    return raw
-
-
 def load_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | None:
     """Load the head of ``model_dir`` for trunk ``model``; None when the directory carries no head.
 
@@ -78,22 +64,7 @@ def load_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | N
     head = hook().mtp_build_head(model=model, config=config)
     if head is None:
         return None
-    weights = load_tensors(list(location.tensors.values()))
-    weights = hook().mtp_sanitize_head(weights=weights, config=config) or weights
-    roles = hook().mtp_norm_roles(config=config) or {}
-    trunk_norms = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())
-                   if k.endswith("norm.weight") and v.ndim == 1}
-    references = reference_means(trunk_norms, roles)
-    declared = declared_norms(location.metadata)
-    norms = {}
-    for name, value in weights.items():
-        if not is_norm(name, value.shape):
-            continue
-        said = declared.get(name) if isinstance(declared, dict) else declared
-        values = np.array(value.astype(mx.float32))
-        norms[name] = decide_norm(values, said, references.get(name))
-        if norms[name].convention == ZERO_CENTRED:
-            weights[name] = (value.astype(mx.float32) + 1.0).astype(value.dtype)
+    weights, norms = normalised_head(location)
     quantization = _quantize_like(head, weights)
     try:
         head.load_weights(list(weights.items()), strict=True)

@@ -11,17 +11,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .checkpoint import HeadLocation, find_head, load_tensors
+from .checkpoint import HeadLocation, find_head, trunk_headers
+from .compat import head_config, mismatches
 from .conventions import (
-    ZERO_CENTRED,
-    decide_norm,
     describe_quantization,
-    is_norm,
     quantization_of,
-    reference_means,
 )
 from .diagnostics import judge
-from .loader import declared_norms
+from .headfile import normalised_head
 from .plugins import hook
 
 
@@ -36,30 +33,6 @@ def trunk_quantization(location: HeadLocation, headers: dict) -> str:
     return describe_quantization(None, dtype)
 
 
-def _trunk_headers(location: HeadLocation) -> dict[str, tuple]:
-    out = {}
-    for path in location.trunk_files:
-        names, _ = hook().mtp_read_tensor_names(path=path) or ({}, {})
-        head = {t.name for t in location.tensors.values() if t.file == path}
-        out.update({(path, n): v for n, v in names.items() if n not in head})
-    return out
-
-
-def _trunk_norms(location: HeadLocation, headers: dict) -> dict[str, np.ndarray]:
-    """Trunk RMSNorm weights in the absolute convention (an unconverted HF trunk is zero-centred)."""
-    hf_layout = any("conv1d.weight" in n and shape[-1] != 1 for (_, n), (shape, _) in headers.items())
-    by_file: dict[Path, list[str]] = {}
-    for (path, name), (shape, _) in headers.items():
-        if len(shape) == 1 and name.endswith("norm.weight") and ".linear_attn." not in name:
-            by_file.setdefault(path, []).append(name)
-    out = {}
-    for path, names in by_file.items():
-        arrays = hook().mtp_load_sidecar(path=path, names=names)
-        for name in names:
-            out[name] = np.array(arrays[name].astype(mx.float32)) + (1.0 if hf_layout else 0.0)
-    return out
-
-
 def inspect_dir(model_dir: Path) -> dict:
     """The inspect report of ``model_dir`` as a JSON-ready dict (keys listed in the README).
 
@@ -69,7 +42,7 @@ def inspect_dir(model_dir: Path) -> dict:
     location = find_head(Path(model_dir))
     config = location.config
     handled = location.model_type in sum(hook().mtp_model_types(), [])
-    headers = _trunk_headers(location)
+    headers = trunk_headers(location)
     problems = []
     report = {
         "model_dir": str(location.model_dir),
@@ -102,8 +75,9 @@ def inspect_dir(model_dir: Path) -> dict:
     if missing:
         problems.append(f"head incomplete: {len(missing)} tensors missing, first {missing[0]!r}; re-extract the "
                         "head from the original checkpoint")
-    weights = load_tensors(list(location.tensors.values()))
-    _describe_head(report, location, weights, headers)
+    shapes = {c: t.shape for c, t in location.tensors.items()}
+    problems += [f"head does not fit this trunk: {m}" for m in mismatches(config, head_config(shapes))]
+    _describe_head(report, location)
     if report["head_trained"] is False:
         problems.append(f"head looks like random initialisation ({report['head_trained_evidence']}); drafts would "
                         "almost never be accepted")
@@ -111,34 +85,28 @@ def inspect_dir(model_dir: Path) -> dict:
     return report
 
 
-def _describe_head(report: dict, location: HeadLocation, weights: dict, headers: dict) -> None:
-    roles = hook().mtp_norm_roles(config=location.config) or {}
-    references = reference_means(_trunk_norms(location, headers), roles)
-    declared = declared_norms(location.metadata)
+def _describe_head(report: dict, location: HeadLocation) -> None:
+    weights, decisions = normalised_head(location)
     in_features = hook().mtp_head_in_features(config=location.config) or {}
     norms, projections = {}, {}
+    for name, decision in decisions.items():
+        report["norm_convention"][name] = {"convention": decision.convention, "evidence": decision.evidence}
+        norms[name] = np.array(weights[name].astype(mx.float32))
     for name, value in weights.items():
-        if is_norm(name, value.shape):
-            said = declared.get(name) if isinstance(declared, dict) else declared
-            stored = np.array(value.astype(mx.float32))
-            decision = decide_norm(stored, said, references.get(name))
-            report["norm_convention"][name] = {"convention": decision.convention, "evidence": decision.evidence}
-            norms[name] = stored + (1.0 if decision.convention == ZERO_CENTRED else 0.0)
-        elif name.endswith(".weight") and value.ndim >= 2:
-            module = name[: -len(".weight")]
-            scales = weights.get(f"{module}.scales")
-            stored_dtype = str(value.dtype).split(".")[-1]
-            if scales is None:
-                report["head_quantization"][module] = describe_quantization(None, stored_dtype)
-                projections[module] = np.array(value.astype(mx.float32))
-                continue
-            if module not in in_features:
-                report["problems"].append(f"{module}: quantized, but its input width is unknown to the plugin")
-                continue
-            q = quantization_of(value.shape, scales.shape, in_features[module])
-            report["head_quantization"][module] = describe_quantization(q, "")
-            projections[module] = np.array(mx.dequantize(value, scales, weights.get(f"{module}.biases"),
-                                                         **q))
+        if name in decisions or not name.endswith(".weight") or value.ndim < 2:
+            continue
+        module = name[: -len(".weight")]
+        scales = weights.get(f"{module}.scales")
+        if scales is None:
+            report["head_quantization"][module] = describe_quantization(None, str(value.dtype).split(".")[-1])
+            projections[module] = np.array(value.astype(mx.float32))
+            continue
+        if module not in in_features:
+            report["problems"].append(f"{module}: quantized, but its input width is unknown to the plugin")
+            continue
+        q = quantization_of(value.shape, scales.shape, in_features[module])
+        report["head_quantization"][module] = describe_quantization(q, "")
+        projections[module] = np.array(mx.dequantize(value, scales, weights.get(f"{module}.biases"), **q))
     verdict = judge(norms, projections)
     report["head_trained"] = verdict.trained
     report["head_trained_evidence"] = verdict.evidence

@@ -1,0 +1,116 @@
+"""A head as a standalone artifact: normalised tensors (canonical names, absolute norms) and atomic writes.
+
+Our own head files record what the loader needs in their safetensors metadata: ``format`` (mlx),
+``mtp_norm_convention`` (``absolute``: every norm folded), ``mtp_contract`` (JSON) and
+``mtp_quantization`` (JSON: module → ``int4/g64`` …).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .checkpoint import HeadLocation, load_tensors, trunk_headers, trunk_norms
+from .conventions import (
+    ABSOLUTE,
+    CONTRACT_KEY,
+    NORM_KEY,
+    ZERO_CENTRED,
+    Contract,
+    NormDecision,
+    decide_norm,
+    declared_norms,
+    describe_quantization,
+    is_norm,
+    quantization_of,
+    reference_means,
+)
+from .plugins import hook
+
+QUANT_KEY = "mtp_quantization"
+ROUTERS = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")  # kept at 8 bits, as mlx-lm does for MoE
+
+
+def normalised_head(location: HeadLocation) -> tuple[dict, dict[str, NormDecision]]:
+    """The head of ``location`` with canonical names, experts stacked and every RMSNorm folded to absolute.
+
+    Returns:
+        ``(weights, decisions)``: ``{canonical: mx.array}`` in stored dtypes (norm arithmetic in float32)
+        and the convention decided per norm tensor.
+    """
+    weights = load_tensors(list(location.tensors.values()))
+    weights = hook().mtp_sanitize_head(weights=weights, config=location.config) or weights
+    roles = hook().mtp_norm_roles(config=location.config) or {}
+    references = reference_means(trunk_norms(location, trunk_headers(location)), roles)
+    declared = declared_norms({**location.config, **location.metadata})
+    decisions = {}
+    for name, value in weights.items():
+        if is_norm(name, value.shape):
+            said = declared.get(name) if isinstance(declared, dict) else declared
+            decisions[name] = decide_norm(np.array(value.astype(mx.float32)), said, references.get(name))
+            if decisions[name].convention == ZERO_CENTRED:
+                weights[name] = (value.astype(mx.float32) + 1.0).astype(value.dtype)
+    return weights, decisions
+
+
+def quantize_head(weights: dict, bits: int, group_size: int) -> dict:
+    """Affine-quantize every float linear weight of a head with ``mx.quantize`` (router gates at 8 bits).
+
+    Norms and already-quantized weights are kept. ``bits=16`` keeps floats (cast to bfloat16).
+
+    Raises:
+        ValueError: an input width not divisible by ``group_size``.
+    """
+    out = {}
+    for name, value in weights.items():
+        module = name[: -len(".weight")]
+        if not name.endswith(".weight") or value.ndim < 2 or f"{module}.scales" in weights:
+            out[name] = value
+            continue
+        if bits == 16:
+            out[name] = value.astype(mx.bfloat16)
+            continue
+        b = 8 if name.endswith(ROUTERS) else bits
+        if value.shape[-1] % group_size:
+            raise ValueError(f"{name}: {value.shape[-1]} inputs not divisible by group size {group_size}")
+        out[name], out[f"{module}.scales"], out[f"{module}.biases"] = mx.quantize(value, group_size=group_size, bits=b)
+    return out
+
+
+def quantization_labels(weights: dict, in_features: dict[str, int]) -> dict[str, str]:
+    """Module → ``int4/g64`` / ``bf16`` label for every linear weight of a head."""
+    labels = {}
+    for name, value in weights.items():
+        if not name.endswith(".weight") or value.ndim < 2:
+            continue
+        module = name[: -len(".weight")]
+        scales = weights.get(f"{module}.scales")
+        q = None if scales is None else quantization_of(value.shape, scales.shape, in_features[module])
+        labels[module] = describe_quantization(q, str(value.dtype).split(".")[-1])
+    return labels
+
+
+def head_metadata(contract: Contract, labels: dict[str, str]) -> dict[str, str]:
+    """Safetensors metadata our loader reads: format, folded norms, contract, per-module quantization."""
+    return {"format": "mlx", NORM_KEY: ABSOLUTE, CONTRACT_KEY: contract.to_json(), QUANT_KEY: json.dumps(labels)}
+
+
+def write_atomically(path: Path, tensors: dict, metadata: dict) -> None:
+    """Write a safetensors file through a temporary file in the same directory and ``os.replace``.
+
+    A failure leaves no partial file; replacing an existing hard link never writes into its other names.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".safetensors", dir=path.parent)
+    os.close(fd)
+    try:
+        mx.save_safetensors(tmp, tensors, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
