@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import sysconfig
 from pathlib import Path
 
 from .checkpoint import CheckpointError
+
+MIN_ACCEPTANCE = 0.05  # below this the head's drafts are almost never accepted
+SAMPLE_SOURCE = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"  # real text found on every machine
 
 
 def _inspect(args) -> int:
@@ -19,6 +23,46 @@ def _inspect(args) -> int:
     else:
         print(render(report))
     return 0 if report["can_run"] else 1
+
+
+def _extract(args) -> int:
+    from .extract import extract
+
+    summary = extract(args.hf, args.out, args.bits, args.group_size)
+    labels = sorted(set(summary["quantization"].values()))
+    print(f"wrote {summary['out']}: {summary['tensors']} tensors, {summary['bytes'] / 1e6:.2f} MB, "
+          f"{', '.join(labels)}, {len(summary['norms_folded'])} norms folded to absolute")
+    return 0
+
+
+def _graft(args) -> int:
+    from .graft import graft
+
+    summary = graft(args.recipient, args.donor, args.out, args.layout, args.force)
+    for line in summary["overridden"]:
+        print(f"--force overrode: {line}", file=sys.stderr)
+    print(f"wrote {summary['out']} ({summary['layout']} layout): {summary['tensors']} head tensors in "
+          f"{summary['head_file']}, {summary['head_bytes'] / 1e6:.2f} MB new on disk; recipient files hard-linked")
+    return 0
+
+
+def _verify(args) -> int:
+    from .verify import verify
+
+    text = (args.prompt_file or SAMPLE_SOURCE).read_text()
+    result = verify(args.model_dir, text, write=args.write)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"depth-1 greedy acceptance over {result['tokens']} tokens (plain pass, no decoding loop):")
+        for c in result["candidates"]:
+            print(f"  {c['acceptance']:.3f}  norms={c['norms']:<16} hidden={c['hidden']:<9} "
+                  f"concat={c['concat_order']}")
+        best, current = result["best"], result["current"]
+        print(f"current wiring {current['acceptance']:.3f}; best {best['acceptance']:.3f}"
+              + (" (recorded in config.json)" if result["written"] else
+                 "" if best == current else "; run with --write to record it"))
+    return 0 if result["best"]["acceptance"] >= MIN_ACCEPTANCE else 1
 
 
 def render(report: dict) -> str:
@@ -51,18 +95,41 @@ def parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="can this model directory run MTP, and why not")
     inspect.add_argument("model_dir", type=Path)
     inspect.add_argument("--json", action="store_true", help="machine-readable report")
-    inspect.set_defaults(run=_inspect)
+    inspect.set_defaults(run=_inspect, model_dir_arg="model_dir")
+
+    graft = sub.add_parser("graft", help="give a head-less checkpoint the head of another")
+    graft.add_argument("--recipient", type=Path, required=True, help="model directory without a head")
+    graft.add_argument("--donor", type=Path, required=True, help="checkpoint directory or head file with a head")
+    graft.add_argument("--out", type=Path, required=True, help="new output directory")
+    graft.add_argument("--layout", default="mlx-lm", choices=["mlx-lm", "mtplx", "omlx", "mlx-serve"])
+    graft.add_argument("--force", action="store_true", help="graft despite config/quantization mismatches")
+    graft.set_defaults(run=_graft, model_dir_arg="recipient")
+
+    extract = sub.add_parser("extract", help="take the head out of an original Hugging Face checkpoint")
+    extract.add_argument("--hf", type=Path, required=True, help="checkpoint directory carrying the head")
+    extract.add_argument("--out", type=Path, required=True, help="head file to write (safetensors)")
+    extract.add_argument("--bits", type=int, default=8, choices=[4, 8, 16])
+    extract.add_argument("--group-size", type=int, default=64)
+    extract.set_defaults(run=_extract, model_dir_arg="hf")
+
+    verify = sub.add_parser("verify", help="measure acceptance and sweep the head's wiring contract")
+    verify.add_argument("model_dir", type=Path)
+    verify.add_argument("--prompt-file", type=Path, help="text to measure on (default: a built-in sample)")
+    verify.add_argument("--write", action="store_true", help="record the best wiring in config.json")
+    verify.add_argument("--json", action="store_true")
+    verify.set_defaults(run=_verify, model_dir_arg="model_dir")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     args = parser().parse_args(argv)
-    if not args.model_dir.is_dir():
-        print(f"mtp-plugin: {args.model_dir}: not a directory; pass a model directory.", file=sys.stderr)
+    directory = getattr(args, args.model_dir_arg)
+    if not directory.is_dir():
+        print(f"mtp-plugin: {directory}: not a directory; pass a model directory.", file=sys.stderr)
         return 2
     try:
         return args.run(args)
-    except CheckpointError as e:
+    except (CheckpointError, ValueError) as e:
         print(f"mtp-plugin: {e}", file=sys.stderr)
         return 1

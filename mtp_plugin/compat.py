@@ -1,8 +1,9 @@
 """One definition of "this head fits this trunk", shared by ``inspect`` and ``graft``.
 
 Two checkpoints can share a head when their text configs agree on every field in ``FIELDS`` and
-their trunks use the same base quantization scheme (bits, group size, mode): the head was trained
-to read the donor trunk's hidden states, and a different quantization moves them.
+their trunks use the same base quantization scheme (bits, group size, mode): a head tuned on one
+conversion reads that conversion's hidden states. An unquantized donor (the original checkpoint the
+head was trained with) fits every quantization of the same base model.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def mismatches(recipient: dict, donor: dict) -> list[str]:
         scheme = donor["quantization_scheme"]
     else:
         scheme = quantization_scheme(donor)
-    if scheme != "unknown" and quantization_scheme(recipient) != scheme:
+    if scheme not in ("unknown", "float") and quantization_scheme(recipient) != scheme:
         out.append(f"base quantization: recipient {quantization_scheme(recipient)} vs donor {scheme}")
     return out
 

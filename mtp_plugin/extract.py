@@ -32,7 +32,7 @@ def extract(hf_dir: Path, out: Path, bits: int = 8, group_size: int = 64) -> dic
     weights, decisions = normalised_head(location)
     weights = quantize_head(weights, bits, group_size)
     labels = quantization_labels(weights, hook().mtp_head_in_features(config=location.config) or {})
-    contract = Contract.from_metadata({**location.config, **location.metadata})
+    contract = Contract.from_metadata({**location.metadata, **location.config})
     write_atomically(Path(out), {f"mtp.{k}": v for k, v in weights.items()}, head_metadata(contract, labels))
     return {"out": str(out), "tensors": len(weights), "bytes": Path(out).stat().st_size, "quantization": labels,
             "norms_folded": sorted(k for k, d in decisions.items() if d.convention == "zero_centred")}

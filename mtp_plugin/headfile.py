@@ -47,7 +47,7 @@ def normalised_head(location: HeadLocation) -> tuple[dict, dict[str, NormDecisio
     weights = hook().mtp_sanitize_head(weights=weights, config=location.config) or weights
     roles = hook().mtp_norm_roles(config=location.config) or {}
     references = reference_means(trunk_norms(location, trunk_headers(location)), roles)
-    declared = declared_norms({**location.config, **location.metadata})
+    declared = declared_norms({**location.metadata, **location.config})
     decisions = {}
     for name, value in weights.items():
         if is_norm(name, value.shape):

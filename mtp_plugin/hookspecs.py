@@ -67,6 +67,11 @@ def mtp_build_head(model, config: dict):
 
 
 @hookspec(firstresult=True)
+def mtp_trunk(model, contract):
+    """The decoding loop's view of trunk ``model`` (``hidden``/``embed``/``logits``, see ``decoding.Trunk``)."""
+
+
+@hookspec(firstresult=True)
 def mtp_generate_step(prompt, model, options: dict):
     """A generator replacing the runtime's ``generate_step`` for ``model`` (yields ``(token, logprobs)``), or None."""
 

@@ -74,7 +74,7 @@ def load_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | N
             f"{files}: head does not fit this trunk ({e}); check that the head comes from the same base "
             f"model, or re-extract it with `mtp-plugin extract`."
         ) from None
-    head.contract = Contract.from_metadata({**config, **location.metadata})
+    head.contract = Contract.from_metadata({**location.metadata, **config})
     mx.eval(head.parameters())
     return LoadedHead(head, location, norms, quantization)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+import mlx.nn as nn
+
 from .. import decoding
 from ..head import MTPHead
 from ..hookspecs import hookimpl
@@ -151,22 +153,26 @@ def mtp_head_in_features(config):
 class QwenTrunk:
     """The trunk functions the decoding loop needs, over an mlx-lm Qwen3.5 / Qwen3-Next model.
 
-    ``hidden`` returns the decoder stack's output after its final norm (contract ``post_norm``).
-
-    Raises:
-        ValueError: a contract this family cannot decode with (``hidden="pre_norm"``).
+    ``hidden`` returns the decoder stack's output after its final norm (contract ``post_norm``), or
+    before it (``pre_norm``: the final norm is bypassed for the call, so the model must not be used
+    by another thread meanwhile).
     """
 
     def __init__(self, model, contract):
-        if contract.hidden != "post_norm":
-            raise ValueError(f"contract hidden={contract.hidden!r}: Qwen3.5 decoding feeds the head post-norm "
-                             "hidden states; run `mtp-plugin verify --write` to record the right contract")
         self.text_model, _ = trunk_parts(model)
         self.lm_head = getattr(getattr(model, "language_model", model), "lm_head", None)
+        self.pre_norm = contract.hidden == "pre_norm"
 
     def hidden(self, tokens, cache):
-        """(1, S, H) post-norm hidden states of tokens (1, S), advancing cache."""
-        return self.text_model(tokens, cache=cache)
+        """(1, S, H) hidden states of tokens (1, S) in the contract's variant, advancing cache."""
+        if not self.pre_norm:
+            return self.text_model(tokens, cache=cache)
+        norm = self.text_model.norm
+        self.text_model.norm = nn.Identity()
+        try:
+            return self.text_model(tokens, cache=cache)
+        finally:
+            self.text_model.norm = norm
 
     def embed(self, tokens):
         """(…, H) input embeddings."""
@@ -179,10 +185,21 @@ class QwenTrunk:
         return self.lm_head(hidden)
 
 
+def _handled(model) -> bool:
+    loaded = getattr(model, "mtp_head", None)
+    return loaded is not None and loaded.location.model_type in MODEL_TYPES
+
+
+@hookimpl
+def mtp_trunk(model, contract):
+    """A ``QwenTrunk`` for a Qwen3.5-family model with a loaded head."""
+    return QwenTrunk(model, contract) if _handled(model) else None
+
+
 @hookimpl
 def mtp_generate_step(prompt, model, options):
     """The MTP decoding loop for a Qwen3.5-family model with a loaded head."""
-    loaded = getattr(model, "mtp_head", None)
-    if loaded is None or loaded.location.model_type not in MODEL_TYPES:
+    if not _handled(model):
         return None
-    return decoding.generate(prompt, QwenTrunk(model, loaded.module.contract), loaded.module, **options)
+    head = model.mtp_head.module
+    return decoding.generate(prompt, QwenTrunk(model, head.contract), head, **options)

@@ -1,0 +1,118 @@
+"""``mtp-plugin graft``: give a head-less checkpoint (the recipient) the head of another (the donor).
+
+Recipient files are hard-linked into the output (copied only across filesystems), so the output
+costs only the head's bytes; the recipient and donor are never written; the output appears
+atomically (built in a temporary directory beside it, then renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .checkpoint import CheckpointError, HeadLocation, HeadTensor, find_head, read_config
+from .compat import head_config, mismatches
+from .conventions import Contract
+from .headfile import head_metadata, normalised_head, quantization_labels, write_atomically
+from .plugins import hook
+
+LAYOUTS = {  # layout: (head file, tensor-name prefix) each runtime documents
+    "mlx-lm": ("mtp.safetensors", "mtp."),  # ours: a sidecar stock mlx-lm never reads
+    "mtplx": ("mtp.safetensors", "mtp."),
+    "omlx": ("model-mtp.safetensors", "language_model.mtp."),
+    "mlx-serve": ("mtp/weights.safetensors", "mtp."),
+}
+
+
+class GraftRefused(CheckpointError):
+    """The donor's head does not fit the recipient; the message lists why and how to override."""
+
+
+def donor_location(donor: Path, model_type: str) -> HeadLocation:
+    """The donor's head: a checkpoint directory (any head form) or a head-only safetensors file.
+
+    Raises:
+        CheckpointError: no head found in the donor.
+    """
+    if donor.is_dir():
+        location = find_head(donor)
+    else:
+        header = hook().mtp_read_tensor_names(path=donor)
+        if header is None:
+            raise CheckpointError(f"{donor}: not a weights file any plugin reads; pass a safetensors head file")
+        names, metadata = header
+        location = HeadLocation(model_dir=donor.parent, config={"model_type": model_type}, metadata=metadata)
+        for name, (shape, dtype) in names.items():
+            canonical = hook().mtp_head_name(name=name, model_type=model_type, sidecar=True)
+            if canonical is not None:
+                location.tensors[canonical] = HeadTensor(canonical, name, donor, tuple(shape), dtype)
+    if not location.tensors:
+        raise CheckpointError(f"{donor}: no MTP head tensors; pick a donor that carries the head")
+    return location
+
+
+def graft(recipient: Path, donor: Path, out: Path, layout: str = "mlx-lm", force: bool = False) -> dict:
+    """Build ``out``: ``recipient``'s files (hard links) plus ``donor``'s head in ``layout``.
+
+    Returns:
+        Summary: layout, head file, tensors, head bytes, overridden mismatches.
+
+    Raises:
+        GraftRefused: config or base-quantization mismatches (unless ``force``), or a recipient that
+            already carries a head.
+        CheckpointError: unreadable inputs, or ``out`` already exists.
+    """
+    recipient, donor, out = Path(recipient), Path(donor), Path(out)
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if out.exists():
+        raise CheckpointError(f"{out}: already exists; choose a new output directory")
+    config = read_config(recipient)
+    if config.get("model_type") not in sum(hook().mtp_model_types(), []):
+        raise GraftRefused(f"{recipient}: model type {config.get('model_type')!r} has no MTP support")
+    existing = find_head(recipient, config)
+    if existing.tensors:
+        raise GraftRefused(f"{recipient}: already carries a head in {existing.files[0].name}; graft onto a "
+                           "head-less checkpoint")
+    source = donor_location(donor, config["model_type"])
+    donor_config = source.config if donor.is_dir() else head_config({c: t.shape for c, t in source.tensors.items()})
+    problems = mismatches(config, donor_config)
+    if problems and not force:
+        raise GraftRefused("donor head does not fit the recipient:\n  " + "\n  ".join(problems)
+                           + "\n--force overrides (acceptance will tell whether the head still works)")
+    weights, _ = normalised_head(source)
+    labels = quantization_labels(weights, hook().mtp_head_in_features(config=config) or {})
+    contract = Contract.from_metadata({**source.metadata, **source.config})
+    head_file, prefix = LAYOUTS[layout]
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _link_tree(recipient, tmp)
+        write_atomically(tmp / head_file, {prefix + k: v for k, v in weights.items()}, head_metadata(contract, labels))
+        index = tmp / "model.safetensors.index.json"
+        if head_file.startswith("model") and index.exists():
+            data = json.loads(index.read_text())
+            data["weight_map"].update({prefix + k: head_file for k in weights})
+            index.unlink()  # a hard link to the recipient's index: never write through it
+            index.write_text(json.dumps(data, indent=2))
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out": str(out), "layout": layout, "head_file": head_file, "tensors": len(weights),
+            "head_bytes": (out / head_file).stat().st_size, "overridden": problems if force else []}
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    for path in sorted(src.rglob("*")):
+        target = dst / path.relative_to(src)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:  # another filesystem, or links not supported
+            shutil.copy2(path, target)

@@ -1,0 +1,112 @@
+"""``mtp-plugin verify``: measure depth-1 greedy acceptance and sweep the wiring contract.
+
+A plain, non-speculative pass: the trunk reads the text once (teacher forcing); for every position t
+the head drafts token t+2 from (h[t], x[t+1]) and the draft counts as accepted when it equals the
+trunk's own argmax at t+1. A wrong contract (hidden before/after the final norm, concat order) or a
+wrong norm convention makes acceptance collapse without any error (seed 003), so every combination
+is measured and the best reported; ``--write`` records it in config.json.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from .checkpoint import CheckpointError, load_tensors
+from .conventions import ABSOLUTE, CONTRACT_KEY, NORM_KEY, ZERO_CENTRED, Contract
+from .headfile import normalised_head
+from .plugins import hook
+
+MAX_TOKENS = 1024
+NORM_VARIANTS = ("decided", "stored_absolute", "all_zero_centred")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One wiring tried: norm reading, trunk hidden variant, concat order, and its acceptance (0..1)."""
+
+    norms: str
+    hidden: str
+    concat_order: str
+    acceptance: float
+
+
+def _norm_sets(location) -> dict[str, tuple[dict, dict]]:
+    """For each norm reading: (norm weights as the head should load them, conventions to record)."""
+    folded, decisions = normalised_head(location)
+    stored = hook().mtp_sanitize_head(weights=load_tensors(list(location.tensors.values())),
+                                      config=location.config)
+    names = sorted(decisions)
+    return {
+        "decided": ({n: folded[n] for n in names}, {n: d.convention for n, d in decisions.items()}),
+        "stored_absolute": ({n: stored[n] for n in names}, dict.fromkeys(names, ABSOLUTE)),
+        "all_zero_centred": ({n: (stored[n].astype(mx.float32) + 1).astype(stored[n].dtype) for n in names},
+                             dict.fromkeys(names, ZERO_CENTRED)),
+    }
+
+
+def sweep(model, tokens: mx.array) -> list[Candidate]:
+    """Acceptance of every wiring for trunk ``model`` (with ``model.mtp_head``) on ``tokens`` (T,), best first."""
+    loaded = model.mtp_head
+    head = loaded.module
+    original = dict(head.parameters())
+    trunks = {h: hook().mtp_trunk(model=model, contract=Contract(hidden=h)) for h in ("post_norm", "pre_norm")}
+    inputs = tokens[None]
+    hidden = {h: t.hidden(inputs, None) for h, t in trunks.items()}
+    target = mx.argmax(trunks["post_norm"].logits(hidden["post_norm"]), axis=-1)[0, 1:]
+    embeddings = trunks["post_norm"].embed(inputs[:, 1:])
+    results = []
+    try:
+        for norms, (weights, _) in _norm_sets(loaded.location).items():
+            head.load_weights(list(weights.items()), strict=False)
+            for h, order in itertools.product(("post_norm", "pre_norm"), ("embedding_first", "hidden_first")):
+                head.contract = Contract(hidden=h, concat_order=order)
+                draft = mx.argmax(trunks[h].logits(head(hidden[h][:, :-1], embeddings)), axis=-1)[0]
+                results.append(Candidate(norms, h, order, (draft == target).mean().item()))
+    finally:
+        head.update(original)
+        head.contract = Contract.from_metadata({**loaded.location.metadata, **loaded.location.config})
+    return sorted(results, key=lambda c: -c.acceptance)
+
+
+def verify(model_dir: Path, text: str, write: bool = False) -> dict:
+    """Load ``model_dir`` with mlx-lm, sweep the wiring on ``text``, optionally record the best in config.json.
+
+    Returns:
+        ``{"best": …, "current": …, "candidates": [...], "written": bool}`` (acceptances in 0..1).
+
+    Raises:
+        CheckpointError: no usable head in ``model_dir``.
+    """
+    from mlx_lm import load
+
+    model, tokenizer = load(str(model_dir))
+    if getattr(model, "mtp_head", None) is None:
+        raise CheckpointError(f"{model_dir}: no usable MTP head; run `mtp-plugin inspect {model_dir}`")
+    tokens = mx.array(tokenizer.encode(text)[:MAX_TOKENS])
+    candidates = sweep(model, tokens)
+    contract = model.mtp_head.module.contract
+    current = next(c for c in candidates if c.norms == "decided" and c.hidden == contract.hidden
+                   and c.concat_order == contract.concat_order)
+    best = candidates[0]
+    if write:
+        _write_config(Path(model_dir), model.mtp_head.location, best)
+    return {"tokens": tokens.size, "best": asdict(best), "current": asdict(current),
+            "candidates": [asdict(c) for c in candidates], "written": write}
+
+
+def _write_config(model_dir: Path, location, best: Candidate) -> None:
+    """Record the winning contract and norm conventions in config.json (atomic replace, never in place)."""
+    config = dict(location.config)
+    config[CONTRACT_KEY] = Contract(hidden=best.hidden, concat_order=best.concat_order).to_json()
+    config[NORM_KEY] = json.dumps(_norm_sets(location)[best.norms][1])
+    fd, tmp = tempfile.mkstemp(prefix=".config.", suffix=".json", dir=model_dir)
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp, model_dir / "config.json")
