@@ -204,9 +204,11 @@ def generate(
     accepted, recorder, emitted, n = 0, None, 0, 0
     try:
         while True:
-            for emitted, tok in enumerate(block, start=1):
+            for tok in block:
+                if n == max_tokens:
+                    return
+                emitted, n = emitted + 1, n + 1  # counted before the yield: the consumer may stop there
                 yield tok, block_logprobs[emitted - 1]
-                n += 1
                 if n == max_tokens:
                     return
             if recorder is not None:

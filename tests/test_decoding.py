@@ -65,7 +65,7 @@ def cache_arrays(cache):
     return [np.array(a) for a in out]
 
 
-@pytest.mark.parametrize("max_tokens", [1, 2, 5, 13])
+@pytest.mark.parametrize("max_tokens", [0, 1, 2, 5, 13])
 def test_cache_after_generation_equals_plain(model, max_tokens):
     """The trunk cache ends holding prompt + every yielded token, exactly as plain decoding leaves it."""
     caches = []
