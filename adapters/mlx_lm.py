@@ -14,7 +14,6 @@ import threading
 from pathlib import Path
 
 from mtp_plugin.hookspecs import hookimpl
-from mtp_plugin.plugins import hook
 
 from .mlx_lm_decoding import (
     CAPTURE_POINTS,
@@ -25,23 +24,11 @@ from .mlx_lm_decoding import (
     mtp_generate_step,
     print_summary,
 )
-from .patching import Patches, version_in_range
+from .patching import Patches, version_in_range, wrap_sanitizers
 
 TESTED = ("0.30.7", "0.33")
 _patches = Patches()
 _lock = threading.RLock()  # re-entered when patching imports the runtime itself
-
-
-def strip_head_tensors(sanitize, model_type: str):
-    """Wrap a model class's ``sanitize`` so that it never receives head tensors (any naming form)."""
-
-    @functools.wraps(sanitize)
-    def wrapper(self, weights):
-        trunk = {k: v for k, v in weights.items()
-                 if hook().mtp_head_name(name=k, model_type=model_type, sidecar=False) is None}
-        return sanitize(self, trunk)
-
-    return wrapper
 
 
 def _keep_head(load_model):
@@ -67,12 +54,7 @@ def mtp_patch_runtime(runtime):
         if _patches.active:
             return
 
-        for model_type in sorted(set(sum(hook().mtp_model_types(), []))):
-            try:
-                module = importlib.import_module(f"mlx_lm.models.{model_type}")
-            except ImportError:
-                continue
-            _patches.wrap(module.Model, "sanitize", functools.partial(strip_head_tensors, model_type=model_type))
+        wrap_sanitizers(_patches, "mlx_lm")
         _patches.wrap(mlx_lm.utils, "load_model", _keep_head)
         _patch_decoding()
 

@@ -9,15 +9,12 @@ the head on ``model.mtp_head``.
 from __future__ import annotations
 
 import functools
-import importlib
 import threading
 from pathlib import Path
 
 from mtp_plugin.hookspecs import hookimpl
-from mtp_plugin.plugins import hook
 
-from .mlx_lm import strip_head_tensors
-from .patching import Patches, version_in_range
+from .patching import Patches, version_in_range, wrap_sanitizers
 
 TESTED = ("0.6.5", "0.8")
 _patches = Patches()
@@ -48,12 +45,7 @@ def mtp_patch_runtime(runtime):
         if _patches.active:
             return
 
-        for model_type in sorted(set(sum(hook().mtp_model_types(), []))):
-            try:
-                module = importlib.import_module(f"mlx_vlm.models.{model_type}")
-            except ImportError:
-                continue
-            _patches.wrap(module.Model, "sanitize", functools.partial(strip_head_tensors, model_type=model_type))
+        wrap_sanitizers(_patches, "mlx_vlm")
         _patches.wrap(mlx_vlm.utils, "load_model", _keep_head)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 from importlib import metadata
 
@@ -68,3 +70,28 @@ def version_in_range(distribution: str, lowest: str, below: str) -> str | None:
         log.warning("mtp_plugin: %s %s is outside the tested range [%s, %s); leaving it stock.",
                     distribution, version, lowest, below)
     return None
+
+
+def strip_head_tensors(sanitize, model_type: str):
+    """Wrap a model class's ``sanitize`` so that it never receives head tensors (any naming form)."""
+    from mtp_plugin.plugins import hook
+
+    @functools.wraps(sanitize)
+    def wrapper(self, weights):
+        trunk = {k: v for k, v in weights.items()
+                 if hook().mtp_head_name(name=k, model_type=model_type, sidecar=False) is None}
+        return sanitize(self, trunk)
+
+    return wrapper
+
+
+def wrap_sanitizers(patches: Patches, package: str) -> None:
+    """Wrap ``sanitize`` of ``{package}.models.<type>.Model`` for every model type a plugin handles."""
+    from mtp_plugin.plugins import hook
+
+    for model_type in sorted(set(sum(hook().mtp_model_types(), []))):
+        try:
+            module = importlib.import_module(f"{package}.models.{model_type}")
+        except ImportError:
+            continue
+        patches.wrap(module.Model, "sanitize", functools.partial(strip_head_tensors, model_type=model_type))
