@@ -68,8 +68,10 @@ class NormDecision:
 
 
 def is_norm(canonical: str, shape: tuple[int, ...]) -> bool:
-    """True for a head RMSNorm weight (1-D ``*norm.weight``, ``*layernorm.weight``)."""
-    return len(shape) == 1 and canonical.endswith("norm.weight")
+    """True for a head RMSNorm weight: 1-D ``<module>.weight`` whose module name contains ``norm``
+    (``norm``, ``q_norm``, ``input_layernorm``, ``pre_fc_norm_embedding`` …)."""
+    parts = canonical.split(".")
+    return len(shape) == 1 and parts[-1] == "weight" and len(parts) > 1 and "norm" in parts[-2]
 
 
 def decide_norm(values: np.ndarray, declared: str | None = None, reference_mean: float | None = None) -> NormDecision:

@@ -106,7 +106,8 @@ def _describe_head(report: dict, location: HeadLocation) -> None:
             continue
         q = quantization_of(value.shape, scales.shape, in_features[module])
         report["head_quantization"][module] = describe_quantization(q, "")
-        projections[module] = np.array(mx.dequantize(value, scales, weights.get(f"{module}.biases"), **q))
+        dequantized = mx.dequantize(value, scales, weights.get(f"{module}.biases"), **q)
+        projections[module] = np.array(dequantized.astype(mx.float32))
     verdict = judge(norms, projections)
     report["head_trained"] = verdict.trained
     report["head_trained_evidence"] = verdict.evidence

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
+from mtp_plugin.conventions import is_norm
 from mtp_plugin.plugins import hook
 
 ROPE = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0,
@@ -68,7 +69,7 @@ def build_model(config: dict, runtime: str = "mlx_lm", seed: int = 0) -> nn.Modu
 def randomize_norms(module: nn.Module) -> None:
     """Draw every 1-D ``*norm.weight`` in [0.5, 1.5] so that a double shift changes the logits."""
     updates = [(k, mx.random.uniform(0.5, 1.5, v.shape).astype(v.dtype))
-               for k, v in tree_flatten(module.parameters()) if k.endswith("norm.weight") and v.ndim == 1]
+               for k, v in tree_flatten(module.parameters()) if is_norm(k, v.shape)]
     module.load_weights(updates, strict=False)
 
 

@@ -12,6 +12,7 @@ from builders import build_head, build_model, config_for, save_checkpoint, trunk
 from mlx.utils import tree_flatten
 
 from mtp_plugin.cli import main
+from mtp_plugin.conventions import is_norm
 from mtp_plugin.report import inspect_dir
 
 JSON_KEYS = {"can_run", "mtp_tensors", "declared_mtp_layers", "naming", "files", "norm_convention",
@@ -27,7 +28,7 @@ def trunk():
 
 def random_init_head(head):
     """Hugging Face initialisation: zero-centred norms at 0, projections N(0, 0.02)."""
-    return {k: mx.zeros_like(v) if k.endswith("norm.weight") else 0.02 * mx.random.normal(v.shape)
+    return {k: mx.zeros_like(v) if is_norm(k, v.shape) else 0.02 * mx.random.normal(v.shape)
             for k, v in head.items()}
 
 
@@ -58,7 +59,7 @@ def test_random_init_head_is_flagged(tmp_path, trunk):
 
 def test_random_projections_with_moved_norms_are_flagged(tmp_path, trunk):
     config, model, weights = trunk
-    head = {k: v if k.endswith("norm.weight") else 0.02 * mx.random.normal(v.shape)
+    head = {k: v if is_norm(k, v.shape) else 0.02 * mx.random.normal(v.shape)
             for k, v in build_head(model, config).items()}
     report = inspect_dir(save_checkpoint(tmp_path / "m", config, weights, head, "mtp.safetensors"))
     assert report["head_trained"] is False
@@ -77,7 +78,7 @@ def test_declared_but_missing_head(tmp_path, trunk):
 def test_mixed_convention_head_decided_per_tensor(tmp_path, trunk):
     config, model, weights = trunk
     head = build_head(model, config)
-    norms = sorted(k for k in head if k.endswith("norm.weight"))
+    norms = sorted(k for k, v in head.items() if is_norm(k, v.shape))
     shifted = set(norms[::2])
     stored = {k: (v - 1.0 if k in shifted else v) for k, v in head.items()}
     path = save_checkpoint(tmp_path / "m", config, weights, stored, "mtp.safetensors")

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx.utils import tree_map
 from mlx_lm import load
@@ -45,7 +44,7 @@ def test_sidecar_leaves_trunk_logits_untouched(tmp_path):
     without, _ = load(str(bare))
     tokens = mx.array([tokenizer.encode(PROMPT)])
     assert with_head.mtp_head is not None and without.mtp_head is None
-    np.testing.assert_array_equal(np.array(with_head(tokens)), np.array(without(tokens)))
+    assert mx.array_equal(with_head(tokens), without(tokens))
 
 
 @pytest.fixture(scope="module")
