@@ -332,22 +332,27 @@ def losses(model: TrunkWithHead, tokens: mx.array) -> tuple[mx.array, mx.array]:
     return trunk_ce, head_ce
 
 
-def init_weights(model: nn.Module, std: float, seed: int) -> None:
-    """Re-initialise like transformers' Qwen3.5 ``_init_weights``.
+def init_weights(model: nn.Module, std: float, n_layers: int, seed: int) -> None:
+    """Initialise like transformers' Qwen3.5 ``_init_weights``, GPT-2 style.
 
-    Linear, Conv1d and Embedding weights are drawn from ``N(0, std)``; RMSNorm
-    weights stay at one (zero in HF's centred convention), ``dt_bias`` at one and
-    ``A_log`` at mlx-lm's ``log(U(0, 16))``.  mlx's default fan-in init makes
-    the random layers drown the token embedding in the residual stream at this
-    tiny width, which slows early training a lot.
+    Linear, Conv1d and Embedding weights are drawn from ``N(0, std)``; the
+    projections that write into the residual stream (``o_proj``, ``out_proj``,
+    ``down_proj``) are further scaled by ``1 / sqrt(2 * n_layers)`` as in GPT-2,
+    which measurably speeds up this short training.  RMSNorm weights stay at one
+    (zero in HF's centred convention), ``dt_bias`` at one and ``A_log`` at
+    mlx-lm's ``log(U(0, 16))``.
     """
     key = mx.random.key(seed)
+    residual_scale = 1.0 / math.sqrt(2 * n_layers)
 
-    def visit(_, module):
+    def visit(name, module):
         nonlocal key
         if isinstance(module, (nn.Linear, nn.Conv1d, nn.Embedding)):
             key, sub = mx.random.split(key)
-            module.weight = std * mx.random.normal(module.weight.shape, key=sub)
+            scale = std
+            if name.rsplit(".", 1)[-1] in ("o_proj", "out_proj", "down_proj"):
+                scale *= residual_scale
+            module.weight = scale * mx.random.normal(module.weight.shape, key=sub)
 
     model.apply_to_modules(visit)
 
@@ -609,10 +614,10 @@ def parse_args() -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--steps", type=int, default=300, help="training steps")
+    parser.add_argument("--steps", type=int, default=220, help="training steps")
     parser.add_argument("--seed", type=int, default=0, help="seed for everything")
-    parser.add_argument("--lr", type=float, default=5e-3)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=128)
@@ -663,7 +668,7 @@ def main() -> None:
         "transformers_version": "5.0.0",
     }
     model = TrunkWithHead(config)
-    init_weights(model, text_config["initializer_range"], args.seed)
+    init_weights(model, text_config["initializer_range"], args.layers, args.seed)
     mx.eval(model.parameters())
     n_trunk = count_parameters(model.trunk)
     n_head = count_parameters(model.mtp)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 GAUSSIAN_KURTOSIS = 3.0
-KURTOSIS_TOLERANCE = 0.3
-STD_SPREAD = 0.05
+KURTOSIS_TOLERANCE = 0.5  # sampling error of a small tensor; trained heads sit at 3.7-15
+STD_SPREAD = 0.15  # (max-min)/mean std over tensors; trained heads differ by ~50%
 SAMPLE = 1 << 20
 
 

@@ -63,7 +63,7 @@ def test_random_projections_with_moved_norms_are_flagged(tmp_path, trunk):
             for k, v in build_head(model, config).items()}
     report = inspect_dir(save_checkpoint(tmp_path / "m", config, weights, head, "mtp.safetensors"))
     assert report["head_trained"] is False
-    assert all(abs(k - 3) < 0.3 for k in report["projection_kurtosis"].values())
+    assert all(abs(k - 3) < 0.5 for k in report["projection_kurtosis"].values())
 
 
 def test_declared_but_missing_head(tmp_path, trunk):
