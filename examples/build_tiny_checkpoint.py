@@ -4,10 +4,12 @@ The result is a test/demo model for ``mtp_plugin``: a small hybrid Qwen3.5
 trunk (GatedDeltaNet linear-attention layers plus a gated full-attention
 layer every ``full_attention_interval`` layers) and a one-layer MTP head wired
 like Qwen3-Next / Qwen3.5 (see vLLM's ``qwen3_next_mtp.py``).  Everything is
-deterministic given ``--seed`` and runs offline on a CPU in a few minutes:
+deterministic given ``--seed`` (for a given Python stdlib and MLX build) and
+runs offline on a CPU in under ten minutes:
 
 1. training text is read from the Python standard library's own ``*.py``
-   files, with a held-out set of different files for evaluation;
+   files (comments and docstrings stripped, layout normalised by
+   ``ast.unparse``), with a held-out set of different files for evaluation;
 2. a byte-level BPE tokenizer is trained with exactly the normaliser and
    pre-tokenizer that transformers 5 imposes on every ``qwen3_5`` checkpoint
    (NFC, the Qwen split regex, ByteLevel), so what ``mlx_lm.load`` gets is what
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import json
 import math
 import random
@@ -74,16 +77,10 @@ TRUNK_SHIFTED_NORMS = (
     ".q_norm.weight",
     ".k_norm.weight",
 )
-# Every RMSNorm of the MTP head is zero-centred in Hugging Face checkpoints.
-HEAD_NORMS = (
-    "pre_fc_norm_embedding.weight",
-    "pre_fc_norm_hidden.weight",
-    ".input_layernorm.weight",
-    ".post_attention_layernorm.weight",
-    ".q_norm.weight",
-    ".k_norm.weight",
-    "norm.weight",
-)
+# Every RMSNorm of the MTP head is zero-centred in Hugging Face checkpoints:
+# pre_fc_norm_embedding, pre_fc_norm_hidden, layers.0.{input,post_attention}_layernorm,
+# layers.0.self_attn.{q,k}_norm and norm -- all the head's tensors ending in this.
+HEAD_NORM_SUFFIX = "norm.weight"
 
 SAMPLE_TEXT = (
     'def greet(name: str) -> str:\n    """Say hello."""\n'
@@ -158,9 +155,7 @@ def train_tokenizer(texts: list, vocab_size: int) -> Tokenizer:
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(
-                Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False
-            ),
+            pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -235,10 +230,7 @@ def make_text_config(vocab_size: int, eos_id: int, args: argparse.Namespace) -> 
         "hidden_size": args.hidden,
         "initializer_range": 0.02,
         "intermediate_size": args.intermediate,
-        "layer_types": [
-            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-            for i in range(n_layers)
-        ],
+        "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)],
         "linear_conv_kernel_dim": 4,
         "linear_key_head_dim": args.linear_head_dim,
         "linear_num_key_heads": args.linear_key_heads,
@@ -470,7 +462,7 @@ def to_hf_weights(model: TrunkWithHead) -> dict:
         weights[name] = value.astype(mx.bfloat16)
     for name, value in tree_flatten(model.mtp.parameters()):
         value = value.astype(mx.float32)
-        if any(name.endswith(suffix) for suffix in HEAD_NORMS):
+        if name.endswith(HEAD_NORM_SUFFIX):
             value = value - 1.0
         weights[f"mtp.{name}"] = value.astype(mx.bfloat16)
     return weights
@@ -525,6 +517,7 @@ def check_hf_load(path: Path, model: TrunkWithHead, tokenizer, samples, batch):
         f"{diff:.4f} (max |logit| {mx.abs(reference).max().item():.2f}), "
         f"argmax agreement {agreement:.4f}"
     )
+
     def round_like_export(name, w):
         # bf16 export; shifted norms are stored as bf16(w - 1) and mlx-lm adds
         # the 1 back in bf16.
@@ -547,7 +540,7 @@ def head_weights_to_mlx(hf_weights: dict) -> dict:
         if not name.startswith("mtp."):
             continue
         name = name[len("mtp.") :]
-        if any(name.endswith(suffix) for suffix in HEAD_NORMS):
+        if name.endswith(HEAD_NORM_SUFFIX):
             value = (value.astype(mx.float32) + 1.0).astype(mx.bfloat16)
         out[name] = value
     return out
@@ -631,9 +624,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--linear-value-heads", type=int, default=4)
     parser.add_argument("--linear-head-dim", type=int, default=32)
     parser.add_argument("--train-mb", type=float, default=2.0)
-    parser.add_argument(
-        "--raw-text", action="store_true", help="keep comments and docstrings"
-    )
+    parser.add_argument("--raw-text", action="store_true", help="keep comments and docstrings")
     parser.add_argument("--eval-windows", type=int, default=64)
     parser.add_argument("--log-every", type=int, default=25)
     return parser.parse_args()
@@ -649,9 +640,7 @@ def main() -> None:
     out = args.out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    train_texts, eval_texts = gather_text(
-        args.seed, int(args.train_mb * 1e6), 300_000, raw=args.raw_text
-    )
+    train_texts, eval_texts = gather_text(args.seed, int(args.train_mb * 1e6), 300_000, raw=args.raw_text)
     tokenizer = train_tokenizer(train_texts, args.vocab)
     train_stream = encode_documents(tokenizer, train_texts)
     eval_stream = encode_documents(tokenizer, eval_texts)
@@ -667,7 +656,9 @@ def main() -> None:
         "tie_word_embeddings": True,
         "transformers_version": "5.0.0",
     }
-    model = TrunkWithHead(config)
+    # mlx-lm's ModelArgs rewrite rope_parameters in place ("rope_type" ->
+    # "type"), so the model gets a copy and config.json keeps the HF spelling.
+    model = TrunkWithHead(copy.deepcopy(config))
     init_weights(model, text_config["initializer_range"], args.layers, args.seed)
     mx.eval(model.parameters())
     n_trunk = count_parameters(model.trunk)
