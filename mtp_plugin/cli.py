@@ -62,7 +62,10 @@ def _verify(args) -> int:
         print(f"current wiring {current['acceptance']:.3f}; best {best['acceptance']:.3f}"
               + (" (recorded in config.json)" if result["written"] else
                  "" if best == current else "; run with --write to record it"))
-    return 0 if result["best"]["acceptance"] >= MIN_ACCEPTANCE else 1
+        if not result["head_trained"]:
+            print(f"head looks like random initialisation: {result['head_trained_evidence']}")
+    usable = result["head_trained"] and result["best"]["acceptance"] >= MIN_ACCEPTANCE
+    return 0 if usable else 1
 
 
 def render(report: dict) -> str:

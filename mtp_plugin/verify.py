@@ -22,6 +22,7 @@ from .checkpoint import CheckpointError, load_tensors
 from .conventions import ABSOLUTE, CONTRACT_KEY, NORM_KEY, ZERO_CENTRED, Contract
 from .headfile import normalised_head
 from .plugins import hook
+from .report import inspect_dir
 
 MAX_TOKENS = 1024
 NORM_VARIANTS = ("decided", "stored_absolute", "all_zero_centred")
@@ -79,7 +80,8 @@ def verify(model_dir: Path, text: str, write: bool = False) -> dict:
     """Load ``model_dir`` with mlx-lm, sweep the wiring on ``text``, optionally record the best in config.json.
 
     Returns:
-        ``{"best": …, "current": …, "candidates": [...], "written": bool}`` (acceptances in 0..1).
+        ``{"best": …, "current": …, "candidates": [...], "written": bool, "head_trained": bool, …}``
+        (acceptances in 0..1; ``head_trained`` is inspect's verdict on the head's statistics).
 
     Raises:
         CheckpointError: no usable head in ``model_dir``.
@@ -97,8 +99,10 @@ def verify(model_dir: Path, text: str, write: bool = False) -> dict:
     best = candidates[0]
     if write:
         _write_config(Path(model_dir), model.mtp_head.location, best)
+    report = inspect_dir(Path(model_dir))
     return {"tokens": tokens.size, "best": asdict(best), "current": asdict(current),
-            "candidates": [asdict(c) for c in candidates], "written": write}
+            "candidates": [asdict(c) for c in candidates], "written": write,
+            "head_trained": report["head_trained"], "head_trained_evidence": report.get("head_trained_evidence")}
 
 
 def _write_config(model_dir: Path, location, best: Candidate) -> None:

@@ -18,7 +18,8 @@ from mlx_lm.utils import load_model
 
 from mtp_plugin import rollback
 
-PROMPTS = {"1-token": [7], "short": [3, 17, 42, 99, 7, 128, 5, 64], "long": [(7 * i) % 250 + 1 for i in range(300)]}  # ids < vocab 256
+PROMPTS = {"1-token": [7], "short": [3, 17, 42, 99, 7, 128, 5, 64],
+           "long": [(7 * i) % 250 + 1 for i in range(300)]}  # token ids stay below the vocabulary size, 256
 
 
 @pytest.fixture(scope="module", params=KINDS)
