@@ -58,7 +58,8 @@ def build_model(config: dict, runtime: str = "mlx_lm", seed: int = 0) -> nn.Modu
 
         arch = get_model_and_args(config)[0]
         model_config = arch.ModelConfig.from_dict(config)
-        model_config.text_config = arch.TextConfig.from_dict(config["text_config"])
+        if "text_config" in config:
+            model_config.text_config = arch.TextConfig.from_dict(config["text_config"])
         if "vision_config" in config:
             model_config.vision_config = arch.VisionConfig.from_dict(config["vision_config"])
         model = arch.Model(model_config)

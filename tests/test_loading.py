@@ -88,7 +88,7 @@ def test_mlx_lm_quantized_head_differs_from_trunk(tmp_path, kind):
     assert set(model.mtp_head.quantization.values()) == {"int8/g32"}
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("form", ["shard-mtp", "sidecar", "sidecar-dir-bare", "shard-language_model"])
 def test_mlx_vlm_loads_every_head_form(tmp_path, kind, form):
     plain, with_head, head = make_pair(tmp_path, kind, form, runtime="mlx_vlm")
