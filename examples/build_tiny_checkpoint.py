@@ -675,6 +675,7 @@ def main() -> None:
     print(f"[eval] depth-1 greedy acceptance (fp32, in memory) {metrics['acceptance']:.4f}")
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the result is meant to be shared
     try:
         save_hf(model, tokenizer, config, tmp / "hf")
         check_hf_load(tmp / "hf", model, tokenizer, samples, batches[0])

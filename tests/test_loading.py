@@ -4,6 +4,7 @@ Runs against whichever mlx-lm / mlx-vlm the environment has; the nox matrix runs
 current release of each.
 """
 
+import importlib
 from importlib import metadata
 
 import mlx.core as mx
@@ -149,5 +150,10 @@ def test_other_model_types_untouched(tmp_path):
     path = save_checkpoint(tmp_path / "llama", config, weights, {"fc.weight": mx.zeros((2, 2))}, "mtp.safetensors")
     patched = lm_load(path)
     assert patched.mtp_head is None
+    generated = [t for t, _ in importlib.import_module("mlx_lm.generate").generate_step(TOKENS[0], patched,
+                                                                                         max_tokens=12)]
     mtp_plugin.unpatch()
-    np.testing.assert_array_equal(logits(patched), logits(lm_load(path)))
+    stock = lm_load(path)
+    np.testing.assert_array_equal(logits(patched), logits(stock))
+    stock_generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    assert generated == [t for t, _ in stock_generate_step(TOKENS[0], stock, max_tokens=12)]
