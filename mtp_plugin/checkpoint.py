@@ -17,8 +17,6 @@ import numpy as np
 from .hookspecs import hookimpl
 from .plugins import hook
 
-HEAD_ROOTS = ("fc.", "pre_fc_norm_embedding.", "pre_fc_norm_hidden.", "layers.", "norm.")
-
 
 class CheckpointError(ValueError):
     """A model directory or head file that cannot be used as it is; the message names the file and the fix."""

@@ -25,7 +25,6 @@ from .plugins import hook
 from .report import inspect_dir
 
 MAX_TOKENS = 1024
-NORM_VARIANTS = ("decided", "stored_absolute", "all_zero_centred")
 
 
 @dataclass(frozen=True)
