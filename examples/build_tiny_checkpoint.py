@@ -77,10 +77,18 @@ TRUNK_SHIFTED_NORMS = (
     ".q_norm.weight",
     ".k_norm.weight",
 )
-# Every RMSNorm of the MTP head is zero-centred in Hugging Face checkpoints:
-# pre_fc_norm_embedding, pre_fc_norm_hidden, layers.0.{input,post_attention}_layernorm,
-# layers.0.self_attn.{q,k}_norm and norm -- all the head's tensors ending in this.
-HEAD_NORM_SUFFIX = "norm.weight"
+# Every RMSNorm of the MTP head is zero-centred in Hugging Face checkpoints
+# (names relative to ``mtp.``; note ``pre_fc_norm_*.weight`` do not end in
+# "norm.weight").
+HEAD_NORMS = (
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+    "norm.weight",
+)
 
 SAMPLE_TEXT = (
     'def greet(name: str) -> str:\n    """Say hello."""\n'
@@ -462,7 +470,7 @@ def to_hf_weights(model: TrunkWithHead) -> dict:
         weights[name] = value.astype(mx.bfloat16)
     for name, value in tree_flatten(model.mtp.parameters()):
         value = value.astype(mx.float32)
-        if name.endswith(HEAD_NORM_SUFFIX):
+        if name.endswith(HEAD_NORMS):
             value = value - 1.0
         weights[f"mtp.{name}"] = value.astype(mx.bfloat16)
     return weights
@@ -472,6 +480,9 @@ def save_hf(model, tokenizer, config: dict, path: Path) -> None:
     """Write config, bf16 safetensors, tokenizer and generation config."""
     path.mkdir(parents=True)
     weights = to_hf_weights(model)
+    for name, value in weights.items():  # after short training, 1 + w stays near 1
+        if name.startswith("mtp.") and "norm" in name:
+            assert abs(value.astype(mx.float32).mean().item()) < 0.5, f"{name} is not zero-centred"
     mx.save_safetensors(str(path / "model.safetensors"), weights, {"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     eos = config["text_config"]["eos_token_id"]
@@ -540,7 +551,7 @@ def head_weights_to_mlx(hf_weights: dict) -> dict:
         if not name.startswith("mtp."):
             continue
         name = name[len("mtp.") :]
-        if name.endswith(HEAD_NORM_SUFFIX):
+        if name.endswith(HEAD_NORMS):
             value = (value.astype(mx.float32) + 1.0).astype(mx.bfloat16)
         out[name] = value
     return out
