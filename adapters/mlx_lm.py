@@ -82,6 +82,14 @@ def _patch_decoding():
 
 
 @hookimpl
+def mtp_load_model(model_dir):
+    """``mlx_lm.load`` (patched, so the head is attached)."""
+    from mlx_lm import load
+
+    return load(str(model_dir))
+
+
+@hookimpl
 def mtp_unpatch_runtime():
     """Restore stock mlx-lm."""
     with _lock:

@@ -67,6 +67,11 @@ def mtp_build_head(model, config: dict):
 
 
 @hookspec(firstresult=True)
+def mtp_load_model(model_dir):
+    """``(model, tokenizer)`` loaded by a runtime (with its head attached), or None if no runtime is installed."""
+
+
+@hookspec(firstresult=True)
 def mtp_trunk(model, contract):
     """The decoding loop's view of trunk ``model`` (``hidden``/``embed``/``logits``, see ``decoding.Trunk``)."""
 

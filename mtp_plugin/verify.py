@@ -76,7 +76,7 @@ def sweep(model, tokens: mx.array) -> list[Candidate]:
 
 
 def verify(model_dir: Path, text: str, write: bool = False) -> dict:
-    """Load ``model_dir`` with mlx-lm, sweep the wiring on ``text``, optionally record the best in config.json.
+    """Load ``model_dir`` with the installed runtime, sweep the wiring on ``text``, maybe record the best.
 
     Returns:
         ``{"best": …, "current": …, "candidates": [...], "written": bool, "head_trained": bool, …}``
@@ -85,9 +85,7 @@ def verify(model_dir: Path, text: str, write: bool = False) -> dict:
     Raises:
         CheckpointError: no usable head in ``model_dir``.
     """
-    from mlx_lm import load
-
-    model, tokenizer = load(str(model_dir))
+    model, tokenizer = hook().mtp_load_model(model_dir=model_dir)
     if getattr(model, "mtp_head", None) is None:
         raise CheckpointError(f"{model_dir}: no usable MTP head; run `mtp-plugin inspect {model_dir}`")
     tokens = mx.array(tokenizer.encode(text)[:MAX_TOKENS])
