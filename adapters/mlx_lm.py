@@ -15,11 +15,10 @@ from pathlib import Path
 
 from mtp_plugin.hookspecs import hookimpl
 
+from .capture import capture_conv_window, capture_states
 from .mlx_lm_decoding import (
     CAPTURE_POINTS,
     add_cli_flags,
-    capture_conv_window,
-    capture_states,
     describe_samplers,
     mtp_generate_step,
     print_summary,

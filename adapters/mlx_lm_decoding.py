@@ -1,7 +1,5 @@
-"""mlx-lm adapter, decoding side: capture points for rollback, the generate-step override, samplers.
+"""mlx-lm adapter, decoding side: the generate-step override, samplers, CLI flags.
 
-* Capture points (inside mlx-lm's GatedDeltaNet layers, active only during a verify pass): the layer
-  call keeps its whole conv input window, ``gated_delta_update`` records its state after each token.
 * ``generate_step`` is wrapped: a model with a loaded head decodes through ``mtp_generate_step``;
   anything else (no head, ``enable_mtp=False``, input embeddings, a custom sampler) is stock.
 * ``make_sampler`` is wrapped to describe the samplers it makes (temperature and filters, mlx-lm's
@@ -19,9 +17,6 @@ import logging
 import sys
 import weakref
 
-import mlx.core as mx
-
-from mtp_plugin import rollback
 from mtp_plugin.decoding import DEFAULT_DEPTH, Sampling
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
@@ -39,46 +34,6 @@ SAMPLINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sampler ->
 
 class MTPUnsupported(ValueError):
     """A generation option the MTP loop cannot honour; the message names it and the fix."""
-
-
-def capture_conv_window(call):
-    """Wrap a GatedDeltaNet ``__call__``: during a verify pass, keep the whole conv input in the cache."""
-
-    @functools.wraps(call)
-    def wrapper(self, inputs, mask=None, cache=None):
-        recorder = rollback.active()
-        if recorder is None or cache is None:
-            return call(self, inputs, mask, cache)
-        kernel = self.conv_kernel_size
-        self.conv_kernel_size = kernel + inputs.shape[1]
-        try:
-            with recorder.layer(cache, window=kernel - 1):
-                return call(self, inputs, mask, cache)
-        finally:
-            self.conv_kernel_size = kernel
-
-    return wrapper
-
-
-def capture_states(update):
-    """Wrap ``gated_delta_update``: during a verify pass, step token by token and record every state."""
-
-    @functools.wraps(update)
-    def wrapper(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, use_kernel=True):
-        recorder = rollback.active()
-        if recorder is None or recorder.current is None:
-            return update(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel)
-        outs, states = [], []
-        for t in range(q.shape[1]):
-            step = slice(t, t + 1)
-            out, state = update(q[:, step], k[:, step], v[:, step], a[:, step], b[:, step], A_log, dt_bias,
-                                state, None if mask is None else mask[:, step], use_kernel=use_kernel)
-            outs.append(out)
-            states.append(state)
-        recorder.record_states(states)
-        return mx.concatenate(outs, axis=1), state
-
-    return wrapper
 
 
 def describe_samplers(make_sampler):
