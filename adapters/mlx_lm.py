@@ -1,15 +1,17 @@
-"""mlx-lm adapter: load-time strip-and-keep of head tensors.
+"""mlx-lm adapter: load-time strip-and-keep of head tensors, MTP decoding, server integration.
 
 Stock mlx-lm 0.30.7–0.31.3 shifts every RMSNorm a second time when it sees ``mtp.*`` keys (the
 "garbage" bug) and Qwen3-Next raises on them; wrapping each handled model class's ``sanitize`` so
 that it never sees head tensors fixes both on every version. ``load_model`` is wrapped to load the
-head from its files and keep it on ``model.mtp_head``.
+head from its files and keep it on ``model.mtp_head``. Decoding (``mlx_lm_decoding.py``) and
+``mlx_lm.server`` (``mlx_lm_server.py``, patched when that module is imported) use the head.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import sys
 import threading
 from pathlib import Path
 
@@ -23,10 +25,12 @@ from .mlx_lm_decoding import (
     mtp_generate_step,
     print_summary,
 )
+from .mlx_lm_server import patch_server
 from .patching import Patches, version_in_range, wrap_sanitizers
 
 TESTED = ("0.30.7", "0.33")
 _patches = Patches()
+_server_patches = Patches()
 _lock = threading.RLock()  # re-entered when patching imports the runtime itself
 
 
@@ -44,18 +48,24 @@ def _keep_head(load_model):
 
 @hookimpl
 def mtp_patch_runtime(runtime):
-    """Wrap ``sanitize`` of every handled model class and ``mlx_lm.utils.load_model``."""
+    """Wrap mlx-lm's loading and decoding, and ``mlx_lm.server`` once imported (``runtime`` None imports it)."""
     with _lock:
-        if runtime not in (None, "mlx_lm") or not version_in_range("mlx-lm", *TESTED):
+        if runtime not in (None, "mlx_lm", "mlx_lm.server") or not version_in_range("mlx-lm", *TESTED):
             return
+        import mlx_lm.sample_utils
         import mlx_lm.utils  # may re-enter this hook through the post-import hook
 
-        if _patches.active:
-            return
-
-        wrap_sanitizers(_patches, "mlx_lm")
-        _patches.wrap(mlx_lm.utils, "load_model", _keep_head)
-        _patch_decoding()
+        if not _patches.active:
+            wrap_sanitizers(_patches, "mlx_lm")
+            _patches.wrap(mlx_lm.utils, "load_model", _keep_head)
+            _patch_decoding()
+        if runtime is None:
+            importlib.import_module("mlx_lm.server")  # re-enters this hook through the post-import hook
+        server = sys.modules.get("mlx_lm.server")
+        if server is not None and not _server_patches.active:
+            if server.make_sampler is not mlx_lm.sample_utils.make_sampler:  # imported before the patch
+                _server_patches.wrap(server, "make_sampler", describe_samplers)
+            patch_server(_server_patches, server)
 
 
 def _patch_decoding():
@@ -92,4 +102,5 @@ def mtp_load_model(model_dir):
 def mtp_unpatch_runtime():
     """Restore stock mlx-lm."""
     with _lock:
+        _server_patches.restore()
         _patches.restore()

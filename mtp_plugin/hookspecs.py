@@ -83,7 +83,7 @@ def mtp_generate_step(prompt, model, options: dict):
 
 @hookspec
 def mtp_patch_runtime(runtime: str | None) -> None:
-    """Install this plugin's patches for ``runtime`` (``"mlx_lm"``, ``"mlx_vlm"``; None: all), idempotently."""
+    """Install this plugin's patches for ``runtime`` (an imported module name such as ``"mlx_lm"``; None: all)."""
 
 
 @hookspec

@@ -124,16 +124,19 @@ def test_stock_mlx_vlm_behaviour_is_what_we_fix(tmp_path):
 
 def test_unpatch_restores_stock_functions():
     import mlx_lm.models.qwen3_5 as q
+    import mlx_lm.server as s
     import mlx_lm.utils as u
 
-    patched = (u.load_model, q.Model.sanitize)
+    patched = (u.load_model, q.Model.sanitize, s.main, s.ResponseGenerator._is_batchable)
     mtp_plugin.unpatch()
     mtp_plugin.unpatch()
-    assert u.load_model is not patched[0] and q.Model.sanitize is not patched[1]
-    assert u.load_model.__module__ == "mlx_lm.utils"
+    stock = (u.load_model, q.Model.sanitize, s.main, s.ResponseGenerator._is_batchable)
+    assert all(a is not b for a, b in zip(patched, stock, strict=True))
+    assert not any(hasattr(f, "__wrapped__") for f in stock)
     mtp_plugin.patch()
     mtp_plugin.patch()
-    assert u.load_model.__wrapped__.__module__ == "mlx_lm.utils"
+    assert [f.__wrapped__ for f in (u.load_model, s.main, s.ResponseGenerator._is_batchable)] == [
+        stock[0], stock[2], stock[3]]
     assert not hasattr(u.load_model.__wrapped__, "__wrapped__")
 
 

@@ -1,0 +1,211 @@
+"""mlx-lm adapter, server side: ``mlx_lm.server --plugin mtp [--mtp-depth N] [--no-mtp]``.
+
+* ``main`` takes the plugin's flags out of ``sys.argv`` before mlx-lm's own parser sees them.
+* Per request, ``"enable_mtp": bool`` and ``"mtp_depth": int`` (0-8, 0 = automatic) are read and
+  validated with the request's other parameters (a bad value is mlx-lm's usual 400 answer).
+* A request that decodes with MTP is served by mlx-lm's single-request path (MTP verifies several
+  tokens per pass, which mlx-lm's ``BatchGenerator`` cannot); every other request keeps mlx-lm's batching.
+* The final response of a request to a model with a head carries llama.cpp's counters
+  ``timings.draft_n`` (draft tokens) and ``timings.draft_n_accepted`` (accepted draft tokens).
+
+The request's options travel on mlx-lm's ``GenerationArguments`` object (attribute ``mtp``) from the
+HTTP handler thread to the generation thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import threading
+from dataclasses import dataclass
+
+from mtp_plugin.decoding import MAX_DEPTH
+from mtp_plugin.stats import MTPStats
+
+from .mlx_lm_decoding import CLI
+
+PLUGIN_NAMES = ("mtp",)
+_handler = threading.local()  # the MTP options of the request being parsed on this handler thread
+_serving = threading.local()  # the MTP options of the request being served on the generation thread
+
+
+class MTPRequestError(ValueError):
+    """A request's MTP option has a bad value; answered with HTTP 400 and this message."""
+
+
+@dataclass
+class MTPRequest:
+    """A request's MTP options and, once served, its counters.
+
+    Attributes:
+        enabled: ``enable_mtp`` of the request, None for the server default (``--no-mtp``).
+        depth: ``mtp_depth`` of the request; None or 0 for the server's ``--mtp-depth`` (0 there: automatic).
+        stats: the counters of its generation, None when it did not decode with MTP.
+    """
+
+    enabled: bool | None = None
+    depth: int | None = None
+    stats: MTPStats | None = None
+
+    @property
+    def wanted(self) -> bool:
+        """Whether the request asks for MTP (explicitly or by the server default)."""
+        return CLI["enabled"] if self.enabled is None else self.enabled
+
+
+def parse_request(body: dict) -> MTPRequest:
+    """The MTP options of a request body.
+
+    Raises:
+        MTPRequestError: ``enable_mtp`` not a boolean, or ``mtp_depth`` not an integer in 0..8.
+    """
+    enabled, depth = body.get("enable_mtp"), body.get("mtp_depth")
+    if enabled is not None and not isinstance(enabled, bool):
+        raise MTPRequestError(f"enable_mtp must be true or false, got {enabled!r}")
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= MAX_DEPTH):
+        raise MTPRequestError(f"mtp_depth must be an integer from 0 (server default) to {MAX_DEPTH}, got {depth!r}")
+    return MTPRequest(enabled, depth)
+
+
+def strip_cli_flags(main):
+    """Wrap ``mlx_lm.server.main``: consume ``--plugin``, ``--mtp-depth`` and ``--no-mtp`` from ``sys.argv``."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        parser = argparse.ArgumentParser(prog="mlx_lm.server", add_help=False, allow_abbrev=False)
+        parser.add_argument("--plugin", action="append", choices=PLUGIN_NAMES, default=[],
+                            help="Enable a plugin; 'mtp' decodes with the checkpoint's MTP head (on by default).")
+        parser.add_argument("--mtp-depth", type=int, default=0, choices=range(MAX_DEPTH + 1), metavar="N",
+                            help=f"MTP draft depth 1-{MAX_DEPTH} (0: automatic).")
+        parser.add_argument("--no-mtp", action="store_true", help="Serve without the MTP head.")
+        ours, rest = parser.parse_known_args(sys.argv[1:])
+        if "-h" in rest or "--help" in rest:
+            parser.print_help()
+            print()
+        CLI["depth"], CLI["enabled"] = ours.mtp_depth, not ours.no_mtp
+        sys.argv[1:] = rest
+        return main(*args, **kwargs)
+
+    return wrapper
+
+
+def read_request_options(validate):
+    """Wrap ``APIHandler.validate_model_parameters``: also read and validate the request's MTP options."""
+
+    @functools.wraps(validate)
+    def wrapper(self, *args, **kwargs):
+        validate(self, *args, **kwargs)
+        self.mtp_request = _handler.request = parse_request(self.body)
+
+    return wrapper
+
+
+def answer_bad_options(do_post):
+    """Wrap ``APIHandler.do_POST``: answer a bad MTP option with 400 where mlx-lm does not catch it (< 0.32)."""
+
+    @functools.wraps(do_post)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return do_post(self, *args, **kwargs)
+        except MTPRequestError as e:  # raised while validating, before any response was sent
+            self._set_completion_headers(400)
+            self.end_headers()
+            self.wfile.write(json.dumps({"error": str(e)}).encode())
+
+    return wrapper
+
+
+def carry_request_options(generate):
+    """Wrap ``ResponseGenerator.generate``: attach the handler thread's MTP options to the request's arguments."""
+
+    @functools.wraps(generate)
+    def wrapper(self, request, generation_args, *args, **kwargs):
+        generation_args.mtp = getattr(_handler, "request", None) or MTPRequest()
+        return generate(self, request, generation_args, *args, **kwargs)
+
+    return wrapper
+
+
+def _decodes_with_mtp(model_provider, generation_args) -> bool:
+    options = getattr(generation_args, "mtp", None)
+    return options is not None and options.wanted and getattr(model_provider.model, "mtp_head", None) is not None
+
+
+def keep_mtp_out_of_batches(is_batchable):
+    """Wrap ``ResponseGenerator._is_batchable``: a request that decodes with MTP is served on its own."""
+
+    @functools.wraps(is_batchable)
+    def wrapper(self, generation_args, *args, **kwargs):
+        if _decodes_with_mtp(self.model_provider, generation_args):
+            return False
+        return is_batchable(self, generation_args, *args, **kwargs)
+
+    return wrapper
+
+
+def serve_with_options(serve_single):
+    """Wrap ``ResponseGenerator._serve_single``: make the request's MTP options current on this thread."""
+
+    @functools.wraps(serve_single)
+    def wrapper(self, request, *args, **kwargs):
+        _serving.request = getattr(request[2], "mtp", None)
+        try:
+            return serve_single(self, request, *args, **kwargs)
+        finally:
+            _serving.request = None
+
+    return wrapper
+
+
+def pass_options(stream_generate):
+    """Wrap the server's ``stream_generate``: pass the current request's MTP options to ``generate_step`` and
+    keep the counters of its generation on the request."""
+
+    @functools.wraps(stream_generate)
+    def wrapper(model, tokenizer, prompt, *args, **kwargs):
+        options = getattr(_serving, "request", None)
+        loaded = getattr(model, "mtp_head", None)
+        if options is None or loaded is None:
+            yield from stream_generate(model, tokenizer, prompt, *args, **kwargs)
+            return
+        loaded.stats = None
+        kwargs.update(enable_mtp=options.wanted, mtp_depth=options.depth or None)
+        for response in stream_generate(model, tokenizer, prompt, *args, **kwargs):
+            options.stats = loaded.stats
+            yield response
+
+    return wrapper
+
+
+def report_counters(make_response):
+    """Wrap ``APIHandler.generate_response`` / ``completion_usage_response``: add ``timings`` with
+    ``draft_n`` and ``draft_n_accepted`` to a request's final response when the model has a head."""
+
+    @functools.wraps(make_response)
+    def wrapper(self, *args, **kwargs):
+        response = make_response(self, *args, **kwargs)
+        final = "usage" in response or any(c.get("finish_reason") for c in response.get("choices", []))
+        options = getattr(self, "mtp_request", None)
+        model = self.response_generator.model_provider.model
+        if final and options is not None and getattr(model, "mtp_head", None) is not None:
+            stats = options.stats
+            response["timings"] = {"draft_n": stats.drafted if stats else 0,
+                                   "draft_n_accepted": stats.accepted if stats else 0}
+        return response
+
+    return wrapper
+
+
+def patch_server(patches, server) -> None:
+    """Install the server wrappers on the imported ``mlx_lm.server`` module."""
+    patches.wrap(server, "main", strip_cli_flags)
+    patches.wrap(server, "stream_generate", pass_options)
+    patches.wrap(server.APIHandler, "do_POST", answer_bad_options)
+    patches.wrap(server.APIHandler, "validate_model_parameters", read_request_options)
+    patches.wrap(server.APIHandler, "generate_response", report_counters)
+    patches.wrap(server.APIHandler, "completion_usage_response", report_counters)
+    patches.wrap(server.ResponseGenerator, "generate", carry_request_options)
+    patches.wrap(server.ResponseGenerator, "_is_batchable", keep_mtp_out_of_batches)
+    patches.wrap(server.ResponseGenerator, "_serve_single", serve_with_options)

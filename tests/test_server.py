@@ -1,0 +1,185 @@
+"""A real ``mlx_lm.server`` on a loopback port, serving the bundled trained tiny checkpoint."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+MLX4 = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5" / "mlx-4bit"
+PROMPTS = ["def read_config(path):\n", "import os\n\n\ndef main():\n", "class Parser:\n    def __init__(self",
+           "for line in lines:\n", "    return self._", "# Copyright\nimport sys\n"]
+CHAT = [{"role": "user", "content": "def parse(text):"}]
+
+
+class Server:
+    """One ``mlx_lm.server`` subprocess; ``post`` answers ``(status, json)``, ``stream`` the SSE events."""
+
+    def __init__(self, command: list[str], workdir: Path, env: dict | None = None):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log = workdir / f"server-{self.port}.log"
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(self.port)],
+                                            cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=5)
+                return
+            except OSError:
+                time.sleep(0.3)
+        raise TimeoutError(self.log.read_text())
+
+    def _request(self, path: str, body: dict):
+        return urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+                                      headers={"Content-Type": "application/json"})
+
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self._request(path, body), timeout=300) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stream(self, path: str, body: dict) -> list[dict]:
+        with urllib.request.urlopen(self._request(path, {**body, "stream": True}), timeout=300) as r:
+            lines = r.read().decode().splitlines()
+        events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        return [json.loads(e) for e in events[:-1]]
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+def server_command(*args) -> list[str]:
+    return [str(Path(sys.executable).parent / "mlx_lm.server"), *args]
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MTP_PLUGIN_DISABLE")}
+    return {**env, **extra}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("server")
+
+
+@pytest.fixture(scope="module")
+def server(workdir):
+    s = Server(server_command("--model", str(MLX4), "--plugin", "mtp", "--mtp-depth", "2"), workdir, clean_env())
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def headless(workdir):
+    """A copy of the checkpoint without its sidecar head (never modify examples/ in place)."""
+    path = workdir / "no-head"
+    shutil.copytree(MLX4, path, ignore=shutil.ignore_patterns("mtp.safetensors"))
+    return path
+
+
+def completion(prompt: str, **options) -> dict:
+    return {"prompt": prompt, "max_tokens": 24, "temperature": 0.0, **options}
+
+
+def text_of(response: dict) -> str:
+    choice = response["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+def streamed_text(events: list[dict]) -> str:
+    return "".join(c["delta"].get("content", "") for e in events for c in e["choices"])
+
+
+def test_completion_with_mtp_matches_plain_and_counts_drafts(server):
+    status, mtp = server.post("/v1/completions", completion(PROMPTS[0]))
+    assert status == 200
+    _, plain = server.post("/v1/completions", completion(PROMPTS[0], enable_mtp=False))
+    assert text_of(mtp) == text_of(plain) and mtp["usage"]["completion_tokens"] == 24
+    assert mtp["timings"]["draft_n"] > 0 and 0 < mtp["timings"]["draft_n_accepted"] <= mtp["timings"]["draft_n"]
+    assert plain["timings"] == {"draft_n": 0, "draft_n_accepted": 0}
+
+
+def test_request_depth_is_used(server):
+    _, deep = server.post("/v1/completions", completion(PROMPTS[1], mtp_depth=4))
+    _, default = server.post("/v1/completions", completion(PROMPTS[1]))
+    assert text_of(deep) == text_of(default)
+    assert deep["timings"]["draft_n"] % 4 == 0 and default["timings"]["draft_n"] % 2 == 0
+    assert deep["timings"]["draft_n"] != default["timings"]["draft_n"]
+
+
+def test_streamed_chat_matches_unstreamed_and_reports_counters(server):
+    body = {"messages": CHAT, "max_tokens": 24, "temperature": 0.0}
+    _, whole = server.post("/v1/chat/completions", body)
+    events = server.stream("/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    assert streamed_text(events) == text_of(whole)
+    final = [e for e in events if any(c.get("finish_reason") for c in e["choices"])]
+    assert len(final) == 1 and final[0]["timings"]["draft_n"] > 0
+    assert events[-1]["usage"]["completion_tokens"] == 24 and events[-1]["timings"] == final[0]["timings"]
+
+
+@pytest.mark.parametrize("options", [{"enable_mtp": "yes"}, {"enable_mtp": 1}, {"mtp_depth": -1},
+                                     {"mtp_depth": 9}, {"mtp_depth": True}, {"mtp_depth": 2.5}])
+def test_bad_options_get_400(server, options):
+    status, answer = server.post("/v1/completions", completion(PROMPTS[0], **options))
+    assert status == 400 and next(iter(options)) in answer["error"]
+    assert server.post("/v1/completions", completion(PROMPTS[0], max_tokens=2))[0] == 200
+
+
+def test_concurrent_requests_with_and_without_mtp(server):
+    expected = {p: text_of(server.post("/v1/completions", completion(p, enable_mtp=False))[1]) for p in PROMPTS}
+
+    def ask(i):
+        prompt, options = PROMPTS[i % len(PROMPTS)], {"enable_mtp": i % 2 == 0}
+        if i % 3 == 0:
+            events = server.stream("/v1/completions", completion(prompt, **options))
+            return prompt, "".join(c["text"] for e in events for c in e["choices"]), events[-1]["timings"]
+        _, answer = server.post("/v1/completions", completion(prompt, **options))
+        return prompt, text_of(answer), answer["timings"]
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(12)))
+    for i, (prompt, text, timings) in enumerate(answers):
+        assert text == expected[prompt], (i, prompt)
+        assert (timings["draft_n"] > 0) == (i % 2 == 0), (i, timings)
+
+
+def test_no_mtp_flag_and_python_m_entry(workdir):
+    s = Server([sys.executable, "-m", "mlx_lm", "server", "--model", str(MLX4), "--no-mtp"], workdir, clean_env())
+    try:
+        _, off = s.post("/v1/completions", completion(PROMPTS[0]))
+        _, on = s.post("/v1/completions", completion(PROMPTS[0], enable_mtp=True))
+    finally:
+        s.stop()
+    assert off["timings"]["draft_n"] == 0 and on["timings"]["draft_n"] > 0
+    assert text_of(off) == text_of(on)
+
+
+def test_model_without_head_is_served_as_stock(workdir, headless):
+    answers = []
+    for env in (clean_env(), clean_env(MTP_PLUGIN_DISABLE="1")):
+        s = Server(server_command("--model", str(headless)), workdir, env)
+        try:
+            answers.append([s.post("/v1/completions", completion(p))[1] for p in PROMPTS[:2]])
+            answers[-1].append(s.post("/v1/completions", completion(PROMPTS[0], temperature=0.8, seed=3))[1])
+        finally:
+            s.stop()
+    patched, stock = answers
+    for a, b in zip(patched, stock, strict=True):
+        assert "timings" not in a and a.keys() == b.keys()
+        assert text_of(a) == text_of(b)
