@@ -46,15 +46,21 @@ class _Loader:
         return getattr(self._loader, name)
 
 
+_failed: list[str] = []
+
+
 def _patch_quietly(runtime: str) -> None:
     try:
         import mtp_plugin
 
         mtp_plugin.patch(runtime)
-    except Exception:  # never break the host program
-        import logging
+    except Exception:  # never break the host program; say so once
+        if not _failed:
+            import logging
 
-        logging.getLogger("mtp_plugin").warning("mtp_plugin: patch failed; runtime left stock.", exc_info=True)
+            logging.getLogger("mtp_plugin").warning("mtp_plugin: patching %s failed; it is left stock.", runtime,
+                                                    exc_info=True)
+        _failed.append(runtime)
 
 
 def install() -> None:
