@@ -3,7 +3,7 @@
 Start-up cost is one tiny module and one ``sys.meta_path`` entry: no mlx, mlx-lm or pluggy import.
 When ``mlx_lm``, ``mlx_lm.server`` or ``mlx_vlm`` is imported later, the hook runs ``mtp_plugin.patch()`` right after
 the package has executed. ``MTP_PLUGIN_DISABLE=1`` turns it off. A patch error never breaks the host
-program: it is logged once and the runtime stays stock.
+program: it is logged once and every runtime is left stock.
 """
 
 from __future__ import annotations
@@ -50,17 +50,23 @@ _failed: list[str] = []
 
 
 def _patch_quietly(runtime: str) -> None:
+    """Patch ``runtime``; on any error, log once, undo every patch and stay stock for the rest of the process."""
+    if _failed:
+        return
     try:
         import mtp_plugin
 
         mtp_plugin.patch(runtime)
-    except Exception:  # never break the host program; say so once
-        if not _failed:
-            import logging
-
-            logging.getLogger("mtp_plugin").warning("mtp_plugin: patching %s failed; it is left stock.", runtime,
-                                                    exc_info=True)
+    except Exception:  # never break the host program
         _failed.append(runtime)
+        import logging
+
+        logging.getLogger("mtp_plugin").warning("mtp_plugin: patching %s failed; runtimes left stock.", runtime,
+                                                exc_info=True)
+        try:
+            mtp_plugin.unpatch()
+        except Exception:
+            logging.getLogger("mtp_plugin").debug("mtp_plugin: unpatch after a failed patch failed", exc_info=True)
 
 
 def install() -> None:
