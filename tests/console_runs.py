@@ -22,7 +22,7 @@ BIN = Path(sys.executable).parent
 PROMPT = "def read_config(path):\n    \"\"\"Read a JSON configuration file.\"\"\"\n    with open(path) as f:\n"
 MAX_TOKENS = 24
 DISABLE = "MTP_PLUGIN_DISABLE"
-PATCH_FAILED = "mtp_plugin: patch failed; runtime left stock."
+PATCH_FAILED = "mtp_plugin: patching mlx_lm failed; runtimes left stock."
 MTP_LINE = re.compile(r"^MTP: depth=(\d+) drafted=(\d+) accepted=(\d+) acceptance=([0-9.]+) tokens/cycle=([0-9.]+)$",
                       re.M)
 TEXT = re.compile(r"^==========\n(.*?)\n==========$", re.M | re.S)

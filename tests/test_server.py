@@ -1,7 +1,6 @@
 """A real ``mlx_lm.server`` on a loopback port, serving the bundled trained tiny checkpoint."""
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -13,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from console_runs import MLX4, environment
 
-MLX4 = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5" / "mlx-4bit"
 PROMPTS = ["def read_config(path):\n", "import os\n\n\ndef main():\n", "class Parser:\n    def __init__(self",
            "for line in lines:\n", "    return self._", "# Copyright\nimport sys\n"]
 CHAT = [{"role": "user", "content": "def parse(text):"}]
@@ -68,11 +67,6 @@ def server_command(*args) -> list[str]:
     return [str(Path(sys.executable).parent / "mlx_lm.server"), *args]
 
 
-def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MTP_PLUGIN_DISABLE")}
-    return {**env, **extra}
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("server")
@@ -80,7 +74,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(workdir):
-    s = Server(server_command("--model", str(MLX4), "--plugin", "mtp", "--mtp-depth", "2"), workdir, clean_env())
+    s = Server(server_command("--model", str(MLX4), "--plugin", "mtp", "--mtp-depth", "2"), workdir, environment())
     yield s
     s.stop()
 
@@ -160,7 +154,7 @@ def test_concurrent_requests_with_and_without_mtp(server):
 
 
 def test_no_mtp_flag_and_python_m_entry(workdir):
-    s = Server([sys.executable, "-m", "mlx_lm", "server", "--model", str(MLX4), "--no-mtp"], workdir, clean_env())
+    s = Server([sys.executable, "-m", "mlx_lm", "server", "--model", str(MLX4), "--no-mtp"], workdir, environment())
     try:
         _, off = s.post("/v1/completions", completion(PROMPTS[0]))
         _, on = s.post("/v1/completions", completion(PROMPTS[0], enable_mtp=True))
@@ -172,7 +166,7 @@ def test_no_mtp_flag_and_python_m_entry(workdir):
 
 def test_model_without_head_is_served_as_stock(workdir, headless):
     answers = []
-    for env in (clean_env(), clean_env(MTP_PLUGIN_DISABLE="1")):
+    for env in (environment(), environment(MTP_PLUGIN_DISABLE="1")):
         s = Server(server_command("--model", str(headless)), workdir, env)
         try:
             answers.append([s.post("/v1/completions", completion(p))[1] for p in PROMPTS[:2]])
