@@ -6,7 +6,6 @@ the package has executed. ``MTP_PLUGIN_DISABLE=1`` turns it off. A patch error n
 program: it is logged once and every runtime is left stock.
 """
 
-
 import os
 import sys
 

@@ -5,7 +5,6 @@ head and decode with it; ``unpatch()`` restores stock behaviour. Both are idempo
 This module imports nothing heavy: it is imported at interpreter start-up by the post-import hook.
 """
 
-
 import _thread
 
 __version__ = "0.1.0"
