@@ -2,6 +2,9 @@
 
 The layer call keeps its whole conv input window in the cache; ``gated_delta_update`` steps token by
 token and records its state after each one, so ``rollback.Recorder.commit`` can restore any prefix.
+Both accept the call forms of mlx-lm and of mlx-vlm (extra layer keywords such as mlx-vlm 0.6's
+``gdn_sink``/``target_verify``; mlx-vlm 0.7's ``gated_delta_update(..., cache=, cache_index=)``,
+where the cache owns the recurrent state).
 """
 
 from __future__ import annotations
@@ -14,18 +17,22 @@ from mtp_plugin import rollback
 
 
 def capture_conv_window(call):
-    """Wrap a GatedDeltaNet ``__call__``: during a verify pass, keep the whole conv input in the cache."""
+    """Wrap a GatedDeltaNet ``__call__``: during a verify pass, keep the whole conv input in the cache.
+
+    The layer keeps ``conv_kernel_size - 1`` trailing rows of its conv input; widening the kernel size
+    by the S verified tokens for the call makes it keep all K-1+S rows (the weights are untouched).
+    """
 
     @functools.wraps(call)
-    def wrapper(self, inputs, mask=None, cache=None):
+    def wrapper(self, inputs, mask=None, cache=None, **kwargs):
         recorder = rollback.active()
         if recorder is None or cache is None:
-            return call(self, inputs, mask, cache)
+            return call(self, inputs, mask, cache, **kwargs)
         kernel = self.conv_kernel_size
         self.conv_kernel_size = kernel + inputs.shape[1]
         try:
             with recorder.layer(cache, window=kernel - 1):
-                return call(self, inputs, mask, cache)
+                return call(self, inputs, mask, cache, **kwargs)
         finally:
             self.conv_kernel_size = kernel
 
@@ -33,20 +40,32 @@ def capture_conv_window(call):
 
 
 def capture_states(update):
-    """Wrap ``gated_delta_update``: during a verify pass, step token by token and record every state."""
+    """Wrap ``gated_delta_update``: during a verify pass, step token by token and record every state.
+
+    Single-token steps are what plain decoding runs, so the verified states equal plain decoding's.
+    With ``cache=`` (mlx-vlm ≥ 0.7) the initial state is read from and the final one written to
+    ``cache[cache_index]``, as the runtime's own cache-owned update does.
+    """
 
     @functools.wraps(update)
-    def wrapper(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, use_kernel=True):
+    def wrapper(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, use_kernel=True, **kwargs):
         recorder = rollback.active()
         if recorder is None or recorder.current is None:
-            return update(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel)
+            return update(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel, **kwargs)
+        cache, index = kwargs.pop("cache", None), kwargs.pop("cache_index", 1)
+        if cache is not None:
+            state = cache[index]
+            if state is not None and state.shape[0] != q.shape[0]:
+                state = None
         outs, states = [], []
         for t in range(q.shape[1]):
             step = slice(t, t + 1)
             out, state = update(q[:, step], k[:, step], v[:, step], a[:, step], b[:, step], A_log, dt_bias,
-                                state, None if mask is None else mask[:, step], use_kernel=use_kernel)
+                                state, None if mask is None else mask[:, step], use_kernel=use_kernel, **kwargs)
             outs.append(out)
             states.append(state)
+        if cache is not None:
+            cache[index] = state
         recorder.record_states(states)
         return mx.concatenate(outs, axis=1), state
 

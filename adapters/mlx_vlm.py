@@ -1,19 +1,23 @@
-"""mlx-vlm adapter: load-time strip-and-keep of head tensors.
+"""mlx-vlm adapter: load-time strip-and-keep of head tensors, and MTP decoding of text prompts.
 
 mlx-vlm 0.6.5–0.6.8 shifts RMSNorms a second time when it sees ``mtp.*`` keys, and loads every
 ``*.safetensors`` in the directory (a sidecar ``mtp.safetensors`` included). Each handled model
 class's ``sanitize`` is wrapped so it never sees head tensors; ``load_model`` is wrapped to keep
-the head on ``model.mtp_head``.
+the head on ``model.mtp_head``. Decoding: capture points in the language models' GatedDeltaNet
+layers, and ``generate_step`` / ``generate`` wrapped (``mlx_vlm_decoding.py``).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import threading
 from pathlib import Path
 
 from mtp_plugin.hookspecs import hookimpl
 
+from .capture import capture_conv_window, capture_states
+from .mlx_vlm_decoding import CAPTURE_POINTS, mtp_generate_step, print_summary
 from .patching import Patches, version_in_range, wrap_sanitizers
 
 TESTED = ("0.6.5", "0.8")
@@ -36,7 +40,7 @@ def _keep_head(load_model):
 
 @hookimpl
 def mtp_patch_runtime(runtime):
-    """Wrap ``sanitize`` of every handled model class and ``mlx_vlm.utils.load_model``."""
+    """Wrap ``sanitize`` of every handled model class, ``mlx_vlm.utils.load_model`` and the decoding entry points."""
     with _lock:
         if runtime not in (None, "mlx_vlm") or not version_in_range("mlx-vlm", *TESTED):
             return
@@ -47,6 +51,32 @@ def mtp_patch_runtime(runtime):
 
         wrap_sanitizers(_patches, "mlx_vlm")
         _patches.wrap(mlx_vlm.utils, "load_model", _keep_head)
+        _patch_decoding()
+
+
+def _patch_decoding():
+    import mlx_vlm
+
+    captured = set()
+    for model_type, layer_class in CAPTURE_POINTS.items():
+        try:
+            module = importlib.import_module(f"mlx_vlm.models.{model_type}.language")
+        except ImportError:
+            continue
+        layer = getattr(module, layer_class, None)
+        if layer is None or not hasattr(module, "gated_delta_update"):
+            continue
+        _patches.wrap(layer, "__call__", capture_conv_window)
+        _patches.wrap(module, "gated_delta_update", capture_states)
+        captured.add(model_type)
+    package = importlib.import_module("mlx_vlm.generate")  # ``mlx_vlm.generate`` is also a function
+    ar = importlib.import_module("mlx_vlm.generate.ar")
+    dispatch = importlib.import_module("mlx_vlm.generate.dispatch")
+    step = functools.partial(mtp_generate_step, ar=ar, captured=captured)
+    for module in (ar, dispatch, package):
+        _patches.wrap(module, "generate_step", step)
+    for module in (dispatch, package, mlx_vlm):
+        _patches.wrap(module, "generate", print_summary)
 
 
 @hookimpl

@@ -8,8 +8,10 @@ The trunk's ``lm_head`` (or tied embedding) turns the head's output into logits.
 
 from __future__ import annotations
 
+import inspect
 import re
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from .. import decoding
@@ -151,28 +153,39 @@ def mtp_head_in_features(config):
 
 
 class QwenTrunk:
-    """The trunk functions the decoding loop needs, over an mlx-lm Qwen3.5 / Qwen3-Next model.
+    """The trunk functions the decoding loop needs, over an mlx-lm or mlx-vlm Qwen3.5 / Qwen3-Next model.
 
     ``hidden`` returns the decoder stack's output after its final norm (contract ``post_norm``), or
     before it (``pre_norm``: the final norm is bypassed for the call, so the model must not be used
-    by another thread meanwhile).
+    by another thread meanwhile). A decoder stack whose call takes ``position_ids`` (mlx-vlm's
+    Qwen3.5, multimodal RoPE) is given the positions of text tokens explicitly: every one of the three
+    mRoPE axes carries the absolute position (cache offset + i), which is what mlx-vlm's language
+    model computes for text-only input (rope delta 0; Qwen2-VL's ``get_rope_index``).
     """
 
     def __init__(self, model, contract):
         self.text_model, _ = trunk_parts(model)
         self.lm_head = getattr(getattr(model, "language_model", model), "lm_head", None)
         self.pre_norm = contract.hidden == "pre_norm"
+        self.mrope = "position_ids" in inspect.signature(self.text_model.__call__).parameters
 
     def hidden(self, tokens, cache):
         """(1, S, H) hidden states of tokens (1, S) in the contract's variant, advancing cache."""
+        kwargs = {"position_ids": self.text_positions(cache, tokens.shape[1])} if self.mrope else {}
         if not self.pre_norm:
-            return self.text_model(tokens, cache=cache)
+            return self.text_model(tokens, cache=cache, **kwargs)
         norm = self.text_model.norm
         self.text_model.norm = nn.Identity()
         try:
-            return self.text_model(tokens, cache=cache)
+            return self.text_model(tokens, cache=cache, **kwargs)
         finally:
             self.text_model.norm = norm
+
+    def text_positions(self, cache, length):
+        """mRoPE position ids (3, 1, S), int32, of the next S text tokens: offset of the first
+        full-attention layer's KV cache + arange(S) on every axis."""
+        offset = next(c.offset for layer, c in zip(self.text_model.layers, cache, strict=True) if not layer.is_linear)
+        return mx.broadcast_to(mx.arange(offset, offset + length, dtype=mx.int32), (3, 1, length))
 
     def embed(self, tokens):
         """(…, H) input embeddings."""

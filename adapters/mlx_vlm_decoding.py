@@ -1,0 +1,200 @@
+"""mlx-vlm adapter, decoding side: text prompts decode through the MTP loop.
+
+* ``generate_step`` (mlx-vlm's per-token step, behind ``generate``, ``stream_generate`` and the
+  ``mlx_vlm.generate`` CLI) is wrapped: a model with a loaded head, given a text-only prompt and greedy
+  decoding, decodes through ``mtp_generate_step`` (also on a reused prompt cache whose mRoPE positions
+  are those of plain text). Anything else stays stock: images or other media (``pixel_values``, or any
+  other array the step passes on to the model), ``enable_mtp=False``,
+  a drafter passed as ``draft_model`` (mlx-vlm's own speculative loop, e.g. its native Qwen3.5 MTP
+  drafter, runs as asked), sampling (temperature > 0 or a custom sampler), thinking budgets,
+  prompt-cache checkpoints, batches, and on mlx-vlm 0.6 a prompt continuing a non-empty cache.
+* ``generate`` is wrapped to print the MTP line of the generation after mlx-vlm's figures (``verbose``).
+
+mlx-vlm's own Qwen3.5 MTP drafter runs only when asked for (``--draft-model DIR --draft-kind mtp``) and
+reads only ``mtp.*`` tensors of the directory's top-level ``*.safetensors`` (read in 0.7.10's splitter);
+without it, every head form our loader keeps on ``model.mtp_head`` decodes with our loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import mlx.core as mx
+
+from mtp_plugin.decoding import DEFAULT_DEPTH
+from mtp_plugin.plugins import hook
+from mtp_plugin.stats import MTPStats
+
+from .mlx_lm_decoding import MTPUnsupported, announce
+from .patching import release
+
+log = logging.getLogger("mtp_plugin")
+CAPTURE_POINTS = {"qwen3_5": "Qwen3_5GatedDeltaNet", "qwen3_next": "Qwen3NextGatedDeltaNet"}  # module: layer class
+LINEAR_ATTENTION_MODULE = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_next"}
+# Plain prefill of a prompt of T tokens (measured on 0.6.8 and 0.7.10): mlx-vlm 0.7 runs all but the last
+# token in chunks whenever T > 1; 0.6 only when T > prefill_step_size, else the whole prompt in one pass.
+# Logits processors see the tokens of the last pass and every generated token.
+CHUNKS_EVERY_PROMPT = release("mlx-vlm") >= (0, 7, 0)
+# Prompt tokens continuing a non-empty prompt cache: mlx-vlm 0.7 gives them the continuing mRoPE positions;
+# 0.6 restarts them at 0 (the suffix's own positions override the caller's), which MTP does not reproduce.
+CONTINUES_CACHED_POSITIONS = release("mlx-vlm") >= (0, 7, 0)
+UNSUPPORTED = {
+    "max_kv_size": "a rotating KV cache cannot be rolled back after a rejected draft",
+    "kv_bits": "the MTP loop does not quantize the KV cache",
+    "kv_key_bits": "the MTP loop does not quantize the KV cache",
+    "kv_value_bits": "the MTP loop does not quantize the KV cache",
+}
+POSITION_KWARGS = ("position_ids", "rope_deltas")  # passed on when a reused prompt cache primed mRoPE state
+_warned: set[str] = set()
+
+
+def _text_positions(extra: dict) -> bool:
+    """Whether explicit mRoPE metadata is that of plain text: positions 0..L-1 on every axis, rope delta 0.
+
+    Then the trunk's own text positions (cache offset + i) are exactly the ones plain decoding uses.
+    """
+    positions, deltas = extra.get("position_ids"), extra.get("rope_deltas")
+    if positions is not None:
+        expected = mx.broadcast_to(mx.arange(positions.shape[-1]), positions.shape)
+        if not mx.array_equal(positions, expected).item():
+            return False
+    return deltas is None or not mx.any(deltas).item()
+
+
+def _model_inputs(extra: dict) -> set[str]:
+    """Keywords carrying arrays for the model (``pixel_values_videos``, ``image_grid_thw``, ``input_features``,
+    ``inputs_embeds``, cached image features …); scalar processing options (the CLI's ``fps``) carry none."""
+    return {k for k, v in extra.items()
+            if isinstance(v, mx.array) or (isinstance(v, list | tuple) and any(isinstance(x, mx.array) for x in v))}
+
+
+def _stock_reason(args: dict, extra: dict, temperature: float) -> str | None:
+    """Why these ``generate_step`` arguments must decode stock, or None when the MTP loop reproduces them."""
+    if args["pixel_values"] is not None or _model_inputs(extra) - set(POSITION_KWARGS) or not _text_positions(extra):
+        return "media"
+    if args["input_ids"].ndim != 2 or args["input_ids"].shape[0] != 1 or args["input_ids"].size == 0:
+        return "batch"
+    if args.get("draft_model") is not None:
+        return "drafter"
+    cache = args.get("prompt_cache")
+    if not CONTINUES_CACHED_POSITIONS and cache and any(getattr(c, "offset", 0) for c in cache):
+        return "cached prefix"
+    if args.get("prompt_cache_checkpoint") is not None:
+        return "checkpoint"
+    if extra.get("thinking_budget_criteria") is not None:
+        return "thinking budget"  # forces tokens into the plain loop
+    if args.get("sampler") is not None or temperature != 0:
+        return "sampling"
+    return None
+
+
+def _temperature(ar, model, args: dict) -> float:
+    """The temperature ``generate_step`` will use (mlx-vlm ≥ 0.7 falls back on the checkpoint's defaults)."""
+    resolve = getattr(ar, "resolve_sampling_defaults", None)
+    temperature = args.get("temperature")
+    if resolve is not None:
+        temperature = resolve(getattr(model, "config", None), temperature=temperature,
+                              top_p=args.get("top_p"), top_k=args.get("top_k"))[0]
+    return temperature or 0.0
+
+
+def _processors(ar, args: dict) -> list:
+    """The logits processors ``generate_step`` builds (penalties, logit bias) plus the caller's own."""
+    make = ar.make_logits_processors
+    processors = make(**{name: args[name] for name in inspect.signature(make).parameters if name in args})
+    return processors + list(args.get("logits_processors") or [])
+
+
+def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict | None:
+    """Options for ``mtp_generate_step`` from bound ``generate_step`` arguments, or None for stock decoding.
+
+    Args:
+        ar: the module defining mlx-vlm's ``generate_step`` (its sampling and processor helpers).
+        model: the mlx-vlm model.
+        loaded: its ``LoadedHead``; ``loaded.stats`` is set to fresh counters when MTP decodes.
+        depth: draft depth 1-8, None for the default.
+        args: ``generate_step``'s named arguments, defaults applied.
+        extra: its other keywords (those it passes on to the model), None values dropped.
+
+    Raises:
+        MTPUnsupported: ``max_kv_size`` (a rotating cache cannot be rolled back) or KV-cache quantization.
+    """
+    reason = _stock_reason(args, extra, _temperature(ar, model, args))
+    if reason is not None:
+        if reason == "sampling" and reason not in _warned:
+            _warned.add(reason)
+            log.warning("mtp_plugin: mlx-vlm sampling (temperature > 0 or a custom sampler) decodes without MTP.")
+        return None
+    for option, why in UNSUPPORTED.items():
+        if args.get(option) is not None:
+            raise MTPUnsupported(f"MTP decoding cannot honour {option}={args[option]}: {why}; "
+                                 "drop the option or disable MTP (enable_mtp=False)")
+    from mlx_vlm.models.cache import KVCache, make_prompt_cache
+
+    prompt_size = args["input_ids"].size
+    step = args.get("prefill_step_size")
+    chunked = step is not None and (prompt_size > 1 if CHUNKS_EVERY_PROMPT else prompt_size > step)
+    loaded.stats = MTPStats(depth or DEFAULT_DEPTH)
+    cache = args.get("prompt_cache")
+    return {
+        "cache": make_prompt_cache(model.language_model) if cache is None else cache,
+        "head_cache": KVCache(),
+        "depth": loaded.stats.depth,
+        "max_tokens": args["max_tokens"],
+        "logits_processors": _processors(ar, args),
+        "prefill_step_size": step or prompt_size,
+        "prefill_history": not chunked,
+        "stats": loaded.stats,
+    }
+
+
+def mtp_generate_step(generate_step, ar, captured: set[str]):
+    """Wrap mlx-vlm's ``generate_step(input_ids, model, pixel_values, mask, **kwargs)``: MTP for a text
+    prompt to a model with a loaded head whose runtime layers have capture points.
+
+    Added keywords: ``enable_mtp`` (False: stock decoding) and ``mtp_depth`` (draft depth 1-8; None: default).
+    """
+    signature = inspect.signature(generate_step)
+    var_keyword = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
+
+    @functools.wraps(generate_step)
+    def wrapper(input_ids, model, pixel_values, mask, *, mtp_depth=None, enable_mtp=True, **kwargs):
+        loaded = getattr(model, "mtp_head", None)
+        model_type = loaded.location.model_type if loaded is not None else None
+        if loaded is not None:
+            loaded.stats = None
+        if enable_mtp and LINEAR_ATTENTION_MODULE.get(model_type) in captured:
+            bound = signature.bind(input_ids, model, pixel_values, mask, **kwargs)
+            bound.apply_defaults()
+            named = dict(bound.arguments)
+            extra = {k: v for k, v in named.pop(var_keyword).items() if v is not None}
+            options = decoding_options(ar, model, loaded, mtp_depth, named, extra)
+            if options is not None:
+                generator = hook().mtp_generate_step(prompt=input_ids[0], model=model, options=options)
+                if generator is not None:
+                    if named.get("verbose"):
+                        announce(loaded, options["depth"])
+                    return generator
+            loaded.stats = None
+        return generate_step(input_ids, model, pixel_values, mask, **kwargs)
+
+    return wrapper
+
+
+def print_summary(generate):
+    """Wrap mlx-vlm's ``generate``: with ``verbose``, print the MTP line of this generation after its figures."""
+    signature = inspect.signature(generate)
+
+    @functools.wraps(generate)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        result = generate(*args, **kwargs)
+        loaded = getattr(bound.arguments.get("model"), "mtp_head", None)
+        if bound.arguments.get("verbose") and loaded is not None and loaded.stats is not None:
+            print(loaded.stats.summary())
+        return result
+
+    return wrapper

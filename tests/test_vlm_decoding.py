@@ -1,0 +1,218 @@
+"""MTP decoding in mlx-vlm for text prompts: greedy output identical to plain, stock for images and sampling.
+
+Random tiny mlx-vlm models (with a tiny vision tower) of every family member, the head stored in
+several forms; their random heads are rejected at the first draft, so every cycle exercises rollback.
+The trained tiny checkpoint exercises acceptance through ``mlx_vlm.generate`` and the CLI.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
+from mlx_vlm.utils import load_model
+from mtp_plugin.adapters.mlx_vlm_decoding import CONTINUES_CACHED_POSITIONS
+from mtp_plugin.adapters.patching import release
+
+import mtp_plugin
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
+SHORT = [3, 17, 42, 99, 7, 128, 5, 64]
+LONG = [(7 * i) % 240 + 1 for i in range(150)]  # ids below the tiny models' image/video tokens (250, 251)
+FORMS = {  # id: (head file, prefix)
+    "shard-mtp": ("model.safetensors", "mtp."),
+    "shard-language_model": ("model.safetensors", "language_model.mtp."),
+    "sidecar": ("mtp.safetensors", "mtp."),
+    "sidecar-dir-bare": ("mtp/weights.safetensors", ""),
+}
+CASES = [("qwen3_5", form) for form in FORMS] + [("qwen3_5_moe", "sidecar"), ("qwen3_next", "shard-mtp")]
+TRAINED_PROMPT = 'def read_config(path):\n    """Read a JSON configuration file."""\n    with open(path) as f:\n'
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """One random model per kind: (config, trunk weights, head weights), built on first use."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            config = config_for(kind, vision=True)
+            model = build_model(config, "mlx_vlm")
+            cache[kind] = (config, trunk_weights(model), build_head(model, config))
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def load(built, tmp_path_factory):
+    """``load(kind, form)``: the kind's model saved with its head in ``form``, loaded by mlx-vlm."""
+
+    def get(kind, form):
+        config, trunk, head = built(kind)
+        head_file, prefix = FORMS[form]
+        path = save_checkpoint(tmp_path_factory.mktemp(f"{kind}-{form}"), config, trunk, head, head_file, prefix)
+        model = load_model(path)
+        assert model.mtp_head is not None
+        return model
+
+    return get
+
+
+def generate_step(*args, **kwargs):
+    """mlx-vlm's generate_step as patched now (looked up at call time)."""
+    return importlib.import_module("mlx_vlm.generate").generate_step(*args, **kwargs)
+
+
+def tokens(model, prompt, pixel_values=None, **kwargs):
+    kwargs = {"max_tokens": 24, "temperature": 0.0, **kwargs}
+    return [t for t, _ in generate_step(mx.array([prompt]), model, pixel_values, None, **kwargs)]
+
+
+@pytest.mark.parametrize("kind,form", CASES)
+def test_greedy_identical_to_plain(load, kind, form):
+    model = load(kind, form)
+    plain = tokens(model, SHORT, enable_mtp=False)
+    assert model.mtp_head.stats is None
+    mtp = tokens(model, SHORT, mtp_depth=2)
+    assert mtp == plain
+    stats = model.mtp_head.stats
+    assert stats.drafted > 0 and stats.emitted == len(mtp) - 1
+
+
+@pytest.mark.parametrize("depth", [1, 3, 8])
+@pytest.mark.parametrize("prompt", [[7], LONG])
+def test_depths_and_chunked_prefill(load, depth, prompt):
+    model = load("qwen3_5", "sidecar")
+    kwargs = dict(max_tokens=20, prefill_step_size=64)
+    mtp = tokens(model, prompt, mtp_depth=depth, **kwargs)
+    assert model.mtp_head.stats.depth == depth and model.mtp_head.stats.drafted > 0
+    assert mtp == tokens(model, prompt, enable_mtp=False, **kwargs)
+
+
+def test_logits_processors_see_what_plain_sees(load):
+    model = load("qwen3_5", "sidecar")
+    for prompt in (SHORT, LONG):
+        kwargs = dict(repetition_penalty=1.5, repetition_context_size=8, prefill_step_size=64)
+        plain = tokens(model, prompt, enable_mtp=False, **kwargs)
+        assert tokens(model, prompt, mtp_depth=3, **kwargs) == plain
+        assert model.mtp_head.stats.drafted > 0
+
+
+def test_reused_prompt_cache_with_text_positions(load):
+    """A second turn on the first turn's cache, with the full prompt's mRoPE metadata passed explicitly (as
+    ``stream_generate`` primes it for a reused ``PromptCacheState``): MTP for text positions, else stock.
+    mlx-vlm 0.6 restarts the positions of such a turn; MTP leaves it stock there."""
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    model = load("qwen3_5", "sidecar")
+    outputs = []
+    for enable in (False, True):
+        cache = make_prompt_cache(model.language_model)
+        first = tokens(model, SHORT, max_tokens=6, prompt_cache=cache, enable_mtp=enable)
+        full = mx.array([SHORT + first + [11, 12, 13]])
+        position_ids, rope_deltas = model.language_model.get_rope_index(full)
+        second = tokens(model, [11, 12, 13], max_tokens=10, prompt_cache=cache, enable_mtp=enable,
+                        position_ids=position_ids, rope_deltas=rope_deltas)
+        outputs.append((first, second))
+    assert outputs[0] == outputs[1]
+    assert (model.mtp_head.stats is not None) == CONTINUES_CACHED_POSITIONS
+    tokens(model, SHORT, max_tokens=4, rope_deltas=mx.array([[-3]]))  # not text positions: stock
+    assert model.mtp_head.stats is None
+
+
+def image_inputs(config):
+    """A one-image prompt for the tiny vision tower: 2x2 patches merged into one image token."""
+    vision = config["vision_config"]
+    patch = vision["in_channels"] * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    pixel_values = mx.random.normal((4, patch), key=mx.random.key(1))
+    prompt = [3, 17, config["vision_start_token_id"], config["image_token_id"], 42, 99]
+    return prompt, pixel_values, mx.array([[1, 2, 2]])
+
+
+def test_image_prompt_decodes_stock(built, load):
+    model = load("qwen3_5", "sidecar")
+    prompt, pixel_values, grid = image_inputs(built("qwen3_5")[0])
+    patched = tokens(model, prompt, pixel_values, image_grid_thw=grid)
+    assert model.mtp_head.stats is None
+    mtp_plugin.unpatch()
+    stock = tokens(model, prompt, pixel_values, image_grid_thw=grid)
+    text_stock = tokens(model, SHORT)
+    mtp_plugin.patch()
+    assert patched == stock
+    assert tokens(model, SHORT) == text_stock  # the image generation left no stale position state behind
+
+
+def test_headless_checkpoint_decodes_stock(built, tmp_path):
+    """No head: the wrapped step is stock mlx-vlm, the MTP keywords notwithstanding."""
+    config, trunk, _ = built("qwen3_5")
+    model = load_model(save_checkpoint(tmp_path, config, trunk))
+    assert model.mtp_head is None
+    patched = tokens(model, SHORT, mtp_depth=3)
+    mtp_plugin.unpatch()
+    assert tokens(model, SHORT) == patched
+
+
+def test_sampling_decodes_stock(load):
+    model = load("qwen3_5", "sidecar")
+    tokens(model, SHORT, temperature=0.7, max_tokens=4)
+    assert model.mtp_head.stats is None
+
+
+def test_rotating_cache_is_refused(load):
+    model = load("qwen3_5", "sidecar")
+    with pytest.raises(ValueError, match="max_kv_size"):
+        tokens(model, SHORT, max_kv_size=64)
+
+
+def test_unpatch_restores_stock_generate_step():
+    dispatch = importlib.import_module("mlx_vlm.generate.dispatch")
+    mtp_plugin.unpatch()
+    assert dispatch.generate_step.__module__ == "mlx_vlm.generate.ar"
+    assert not hasattr(dispatch.generate_step, "__wrapped__")
+    mtp_plugin.patch()
+    assert dispatch.generate_step.__wrapped__.__module__ == "mlx_vlm.generate.ar"
+
+
+@pytest.fixture(scope="module", params=["hf", "mlx-4bit"])
+def trained(request):
+    """The trained tiny checkpoint through ``mlx_vlm.load`` (no vision weights: not strict on mlx-vlm 0.6)."""
+    from mlx_vlm import load
+
+    return load(str(TINY / request.param), strict=False)
+
+
+def test_trained_checkpoint_generate(trained, capsys):
+    from mlx_vlm import generate
+
+    model, processor = trained
+    plain = generate(model, processor, TRAINED_PROMPT, max_tokens=40, temperature=0.0, enable_mtp=False)
+    assert model.mtp_head.stats is None
+    for depth in (1, 3):
+        text = generate(model, processor, TRAINED_PROMPT, max_tokens=40, temperature=0.0, mtp_depth=depth)
+        assert text.text == plain.text and text.generation_tokens == plain.generation_tokens
+        assert model.mtp_head.stats.acceptance > 0.2
+    capsys.readouterr()
+    generate(model, processor, TRAINED_PROMPT, max_tokens=12, temperature=0.0, verbose=True)
+    out = capsys.readouterr()
+    assert "MTP on: head from" in out.err and "\nMTP: depth=2 drafted=" in out.out
+
+
+@pytest.mark.skipif(release("mlx-vlm") < (0, 7),
+                    reason="the mlx-vlm 0.6 CLI loads strictly: no checkpoint without vision weights")
+def test_cli_decodes_with_mtp():
+    """The post-import hook (installed .pth) patches the real ``python -m mlx_vlm generate``; the text is
+    the one stock mlx-vlm prints (``MTP_PLUGIN_DISABLE=1``)."""
+    command = [sys.executable, "-m", "mlx_vlm", "generate", "--model", str(TINY / "mlx-4bit"),
+               "--prompt", TRAINED_PROMPT, "--max-tokens", "24", "--temperature", "0", "--verbose"]
+    runs = [subprocess.run(command, capture_output=True, text=True, timeout=300, check=True,
+                           env={**os.environ, "MTP_PLUGIN_DISABLE": disable}) for disable in ("0", "1")]
+    mtp, stock = runs
+    assert "MTP on: head from mtp.safetensors" in mtp.stderr and "MTP" not in stock.stderr + stock.stdout
+    summary = next(line for line in mtp.stdout.splitlines() if line.startswith("MTP: depth=2"))
+    assert float(summary.split("acceptance=")[1].split()[0]) > 0
+    assert mtp.stdout.split("==========")[1] == stock.stdout.split("==========")[1]  # prompt and generated text
