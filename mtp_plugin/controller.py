@@ -20,12 +20,13 @@ Decisions. A newly chosen depth is kept for a few cycles (``dwell``) before the 
 controller switches only when the predicted rate beats the current one by a clear ``margin`` (hysteresis).
 Candidates are plain, every measured depth and the unmeasured neighbours of the current one (one step
 of exploration at a time). When plain wins, the loop decodes plain ("parked") for ``park`` tokens, then
-probes drafting again for a few cycles, so a recovering acceptance rate is noticed; each consecutive park
+probes drafting again for a few cycles at the depth predicted best, so a recovering acceptance rate is
+noticed; each consecutive park
 is twice as long (up to ``max_park``). While drafting, t(1) is re-measured every ``plain_every`` tokens
 over ``plain_probe`` plain tokens, as long as plain decoding is still in contention.
 
-Pure logic: no mlx, no clock. The decoding loop asks ``next_depth()`` before each cycle and reports the
-cycle with ``observe``.
+Pure logic: no mlx, no clock. The decoding loop asks ``next_depth()`` once per cycle and reports each
+cycle with ``observe``; the question may run one cycle ahead of the reports (pipelined plain steps).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class DepthController:
         self.costs = [deque(maxlen=s.window) for _ in range(s.max_depth + 1)]  # index 0: plain, seconds/token
         self.choice = start  # the regime chosen: a depth, or PLAIN when parked
         self.running = start  # what next_depth() returns until the next decision
-        self.hold = s.park if start == PLAIN else s.dwell  # observations left before the next decision
+        self.hold = s.park if start == PLAIN else s.dwell  # cycles to issue before the next decision
         self.park_length = s.park  # tokens of the current or last park
         self.probing = False  # drafting resumed after a park, not yet re-decided
         self.since_plain = 0  # tokens emitted since t(1) was last measured
@@ -144,6 +145,7 @@ class DepthController:
         """Depth of the next cycle, 1..max_depth, or PLAIN for one plain decoding step."""
         if self.hold <= 0:
             self._decide()
+        self.hold -= 1
         return self.running
 
     def observe(self, depth: int, accepted: int, seconds: float) -> None:
@@ -164,7 +166,6 @@ class DepthController:
             self.accepted[k] += 1
         self.costs[depth].append(seconds)
         self.since_plain = 0 if depth == PLAIN else self.since_plain + emitted
-        self.hold -= 1
 
     # Decisions -------------------------------------------------------------------------------------
 
@@ -180,7 +181,7 @@ class DepthController:
         s = self.settings
         if self.choice == PLAIN:  # a park ended: probe drafting at the depth that looks best
             self.probing = True
-            self._choose(max(self._drafting(), key=self._rate_or_zero), s.dwell)
+            self._choose(max(range(1, s.max_depth + 1), key=self._rate_or_zero), s.dwell)
             return
         if self._plain_stale():
             self._run(PLAIN, s.plain_probe)  # measure t(1); the choice stays
@@ -207,14 +208,11 @@ class DepthController:
     def _rate_or_zero(self, depth: int) -> float:
         return self.rate(depth) or 0.0
 
-    def _drafting(self) -> list[int]:
-        """Measured draft depths (depth 1 if none)."""
-        return [d for d in range(1, self.settings.max_depth + 1) if self.costs[d]] or [1]
-
     def _candidates(self) -> list[int]:
-        """Plain, every measured depth, and the current depth's unmeasured neighbours."""
+        """Plain, every measured depth, and the current depth's neighbours."""
+        measured = [d for d, c in enumerate(self.costs) if c]
         neighbours = [d for d in (self.choice - 1, self.choice + 1) if 1 <= d <= self.settings.max_depth]
-        return sorted({PLAIN, *self._drafting(), *neighbours})
+        return sorted({PLAIN, *measured, *neighbours})
 
 
 class FixedDepth:

@@ -1,10 +1,9 @@
 """The MTP decoding loop: draft → verify → accept/reject → commit, one verify pass of the trunk per cycle.
 
-Each cycle the head drafts ``depth`` tokens (its first step consumes the trunk hidden states of every
-token committed since the last cycle, so its KV cache holds the pair (h[i], x[i+1]) for the whole
-context; further steps feed the head its own normed output and its own draft token), the trunk
-verifies ``[last token, drafts…]`` in one batched pass, and caches are rolled back to the accepted
-prefix (``rollback.py``) without running any token through the trunk again.
+Each cycle the head drafts ``depth`` tokens (``drafter.py``: its first step consumes the trunk hidden
+states of every token committed since its last step, so its KV cache holds the pair (h[i], x[i+1]) for
+the whole context), the trunk verifies ``[last token, drafts…]`` in one batched pass, and caches are
+rolled back to the accepted prefix (``rollback.py``) without running any token through the trunk again.
 
 Acceptance. Greedy: a draft is accepted iff it equals the trunk's argmax at its position, so the
 output is the trunk's own greedy output. Sampling: exact speculative sampling (Leviathan et al. 2023,
@@ -35,6 +34,8 @@ import mlx.nn as nn
 
 from . import rollback
 from .controller import PLAIN, FixedDepth
+from .drafter import Drafter
+from .drafter import log_softmax as _log_softmax
 from .stats import MTPStats
 
 DEFAULT_DEPTH = 2
@@ -72,10 +73,6 @@ class Sampling:
         for f in self.filters:
             logprobs = f(logprobs)
         return mx.softmax(logprobs.astype(mx.float32) / self.temp, axis=-1)
-
-
-def _log_softmax(logits: mx.array) -> mx.array:
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _categorical(probs: mx.array) -> mx.array:
@@ -124,7 +121,11 @@ def accept_sampled(p: mx.array, q: mx.array, drafts: mx.array) -> tuple[mx.array
 
 
 class DepthPolicy(Protocol):
-    """Chooses each cycle's draft depth (``controller.DepthController``, ``controller.FixedDepth``)."""
+    """Chooses each cycle's draft depth (``controller.DepthController``, ``controller.FixedDepth``).
+
+    The loop asks once per cycle and reports every cycle it ran, both in order; the question for a cycle
+    may come before the previous cycle is reported (plain steps are queued one ahead).
+    """
 
     def next_depth(self) -> int:
         """Draft depth of the next cycle, 1..8, or 0 (``controller.PLAIN``) for one plain decoding step."""
@@ -226,9 +227,6 @@ def generate(
     def pick(logprobs: mx.array) -> mx.array:
         return mx.argmax(logprobs, axis=-1) if sampling is None else _categorical(sampling.probs(logprobs))
 
-    def feed_head(hidden: mx.array, tokens: mx.array) -> mx.array:
-        return head(hidden, trunk.embed(tokens[None]), cache=head_cache)
-
     def plain_step(token: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queue one plain step on ``token`` (1,): its hidden state (1, 1, H), log-probs (1, V), next token (1,)."""
         nonlocal history
@@ -240,32 +238,37 @@ def generate(
         mx.async_eval(following, logprobs)
         return hidden, logprobs, following
 
+    drafter = Drafter(head, trunk, head_cache, sampling)
     # Prefill exactly as plain decoding chunks it: all but the last prompt token, then the last.
     total, done, carry = prompt.size, 0, None
     callback(0, total)
     while total - done > 1:
         chunk = prompt[done : done + min(prefill_step_size, total - done - 1)]
-        carry = _head_prefill(feed_head, carry, trunk.hidden(chunk[None], cache), chunk)
+        carry = drafter.prefill(carry, trunk.hidden(chunk[None], cache), chunk)
         mx.eval([c.state for c in cache], head_cache.state)
         done += chunk.size
         callback(done, total)
-    last = prompt[done:]
-    hidden = trunk.hidden(last[None], cache)
-    _head_prefill(feed_head, carry, hidden, last)
-    first = logprobs_at(trunk.logits(hidden[0, -1:]), last[-1:], history[:-1] if processors else None)
+    chunk = prompt[done:]
+    hidden = trunk.hidden(chunk[None], cache)
+    drafter.prefill(carry, hidden, chunk)
+    first = logprobs_at(trunk.logits(hidden[0, -1:]), chunk[-1:], history[:-1] if processors else None)
     token = pick(first)
     callback(total, total)
 
-    # Pairs (h[i], x[i+1]) not yet fed to the head; the last token is the next input of the trunk.
-    pending_hidden, pending_tokens = [hidden[:, -1:]], [token]
-    block, block_logprobs = token.tolist(), first
-    kind, queued = "first", None  # what produced ``block``; a plain step queued on its last token
+    drafter.keep(hidden[:, -1:], token)
+    last = token  # (1,): the newest token, not yet fed to the trunk
+    block_logprobs, kind, queued, upcoming = first, "first", None, None  # kind: what produced the next block
     d, accepted, recorder, emitted, n = PLAIN, 0, None, 0, 0
     clock = _Stopwatch()
     try:
         while True:
-            if kind != "cycle" and n != max_tokens and policy.next_depth() == PLAIN:
-                queued = plain_step(pending_tokens[-1][-1:])  # pipelined: runs while the block is yielded
+            if kind != "cycle":  # one token, ``last``, still being computed
+                upcoming = policy.next_depth() if n != max_tokens else None
+                if upcoming == PLAIN:
+                    queued = plain_step(last)  # pipelined as in mlx-lm: queued before ``last`` is read
+                block = last.tolist()
+                if kind == "plain":
+                    policy.observe(PLAIN, 0, clock.lap())
             for tok in block:
                 if n == max_tokens:
                     return
@@ -280,64 +283,35 @@ def generate(
             elif kind == "plain":
                 stats.plain += 1
             emitted = 0
-            d = PLAIN if queued is not None else policy.next_depth()
+            d, upcoming = policy.next_depth() if upcoming is None else upcoming, None
             if d == PLAIN:
-                hidden, block_logprobs, token = queued or plain_step(pending_tokens[-1][-1:])
-                queued, kind, accepted = None, "plain", 0
-                block = token.tolist()
-                pending_hidden.append(hidden)
-                pending_tokens.append(token)
-                policy.observe(PLAIN, 0, clock.lap())
+                hidden, block_logprobs, following = queued or plain_step(last)
+                drafter.keep(hidden, following)
+                queued, kind, accepted, last = None, "plain", 0, following
                 continue
-            # Draft: the head first catches up on every pair since its last step.
-            g = feed_head(_joined(pending_hidden, axis=1), _joined(pending_tokens))[:, -1:]
-            drafts, qs = [], []
-            for k in range(d):
-                draft_logprobs = _log_softmax(trunk.logits(g)[0].astype(mx.float32))
-                if sampling is None:
-                    x = mx.argmax(draft_logprobs, axis=-1)
-                else:
-                    qs.append(sampling.probs(draft_logprobs))
-                    x = _categorical(qs[-1])
-                drafts.append(x)
-                if k < d - 1:
-                    g = feed_head(g, x)
-            drafts = mx.concatenate(drafts)
-            # Verify.
-            inputs = mx.concatenate([pending_tokens[-1][-1:], drafts])
+            # Draft, then verify [last, drafts…] in one trunk pass.
+            drafts, q = drafter.draft(d)
+            mx.async_eval(drafts)  # the head runs while the verify pass is being built
+            inputs = mx.concatenate([last, drafts])
             with rollback.capturing(inputs.size) as recorder:
                 hidden = trunk.hidden(inputs[None], cache)
             logprobs = logprobs_at(trunk.logits(hidden[0]), inputs, history)
             if sampling is None:
                 accepted_arr, tokens = accept_greedy(logprobs, drafts)
             else:
-                accepted_arr, tokens = accept_sampled(sampling.probs(logprobs), mx.concatenate(qs), drafts)
+                accepted_arr, tokens = accept_sampled(sampling.probs(logprobs), q, drafts)
             mx.eval(accepted_arr, tokens)
             accepted = accepted_arr.item()
             block, block_logprobs, kind = tokens[: accepted + 1].tolist(), logprobs, "cycle"
             # Commit.
             recorder.commit(cache, accepted + 1)
-            if d > 1:
-                head_cache.trim(d - 1)
+            drafter.accept(d, hidden[:, : accepted + 1], tokens[: accepted + 1])
             if processors:
                 history = mx.concatenate([history, inputs[: accepted + 1]])
-            pending_hidden, pending_tokens = [hidden[:, : accepted + 1]], [tokens[: accepted + 1]]
+            last = tokens[accepted : accepted + 1]
             policy.observe(d, accepted, clock.lap())
     finally:
         _settle(trunk, cache, kind, d, recorder, queued, block, emitted, accepted, stats)
-
-
-def _joined(parts: list[mx.array], axis: int = 0) -> mx.array:
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
-
-
-def _head_prefill(feed_head, carry: mx.array | None, hidden: mx.array, tokens: mx.array) -> mx.array:
-    """Run the head on the pairs (h[i], x[i+1]) completed by this chunk; returns the chunk's last hidden."""
-    pairs_hidden = hidden[:, :-1] if carry is None else mx.concatenate([carry, hidden[:, :-1]], axis=1)
-    pairs_tokens = tokens[1:] if carry is None else tokens
-    if pairs_tokens.size:
-        feed_head(pairs_hidden, pairs_tokens)
-    return hidden[:, -1:]
 
 
 def _settle(trunk, cache, kind, depth, recorder, queued, block, emitted, accepted, stats) -> None:

@@ -32,16 +32,17 @@ SCHEDULES = {
 
 
 class Schedule:
-    """A depth policy replaying ``depths`` cyclically; it checks that the loop ran what it was told."""
+    """A depth policy replaying ``depths`` cyclically; it checks that the loop ran what it was told, in order."""
 
     def __init__(self, depths):
-        self.depths, self.ran = depths, []
+        self.depths, self.asked, self.ran = depths, [], []
 
     def next_depth(self):
-        return self.depths[len(self.ran) % len(self.depths)]
+        self.asked.append(self.depths[len(self.asked) % len(self.depths)])
+        return self.asked[-1]
 
     def observe(self, depth, accepted, seconds):
-        assert depth == self.next_depth() and 0 <= accepted <= depth and seconds > 0
+        assert depth == self.asked[len(self.ran)] and 0 <= accepted <= depth and seconds > 0
         self.ran.append((depth, accepted))
 
 
