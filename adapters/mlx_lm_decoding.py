@@ -2,6 +2,9 @@
 
 * ``generate_step`` is wrapped: a model with a loaded head decodes through ``mtp_generate_step``;
   anything else (no head, ``enable_mtp=False``, input embeddings, a custom sampler) is stock.
+  ``mtp_depth`` 1..8 fixes the draft depth; 0 / None (automatic) runs the adaptive controller, starting
+  from the depth ``mtp-plugin tune`` recorded for the model (``tuning.py``); a depth policy object is used
+  as given.
 * ``make_sampler`` is wrapped to describe the samplers it makes (temperature and filters, mlx-lm's
   own ``apply_*`` functions in mlx-lm's order) so that rejection sampling uses exactly that distribution.
 * ``generate`` is wrapped to print which head is used (stderr) and the MTP summary line after
@@ -18,9 +21,10 @@ import sys
 import weakref
 
 from mtp_plugin.controller import DepthController
-from mtp_plugin.decoding import DEFAULT_DEPTH, Sampling
+from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH, Sampling
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
+from mtp_plugin.tuning import start_depth
 
 from .patching import release
 
@@ -92,7 +96,7 @@ def decoding_options(model, loaded, depth, kwargs) -> dict | None:
     return {
         "cache": make_prompt_cache(model) if cache is None else cache,
         "head_cache": KVCache(),
-        "depth": depth or DepthController(start=DEFAULT_DEPTH),
+        "depth": depth or DepthController(start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)),
         "max_tokens": kwargs.get("max_tokens", 256),
         "sampling": None if sampler is None else SAMPLINGS[sampler],
         "logits_processors": kwargs.get("logits_processors"),

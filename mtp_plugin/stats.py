@@ -48,6 +48,17 @@ class MTPStats:
         for k in range(accepted):
             self.accepted_at[k] += 1
 
+    def add(self, other: MTPStats) -> None:
+        """Accumulate another generation's counts into this one (the depths of both are kept)."""
+        for name in ("cycles", "drafted", "accepted", "emitted", "plain"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("reached", "accepted_at"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            mine += [0] * (len(theirs) - len(mine))
+            for k, v in enumerate(theirs):
+                mine[k] += v
+        self.depths += other.depths
+
     @property
     def acceptance(self) -> float:
         """Accepted / drafted (0.0 before any cycle)."""
