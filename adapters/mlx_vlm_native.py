@@ -38,7 +38,7 @@ class NativeMTP:
         stats = MTPStats(self.depth)
         drafted = getattr(self.drafter, "draft_lens", None) or [self.depth] * len(self.drafter.accept_lens)
         for accepted, depth in zip(self.drafter.accept_lens, drafted, strict=False):
-            stats.record(int(depth), int(accepted), int(accepted) + 1)
+            stats.record(int(accepted), int(accepted) + 1, int(depth))
         return stats
 
 

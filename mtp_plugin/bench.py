@@ -17,14 +17,14 @@ own MTP decoders on the same checkpoint (``mtp_reference_decoders`` hook), or on
 from __future__ import annotations
 
 import gc
-import time
 from pathlib import Path
 from typing import Protocol
 
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from . import measure
+from . import measure, tuning
+from .decoding import DEFAULT_DEPTH, MAX_DEPTH
 from .plugins import hook
 from .stats import MTPStats
 from .tune import load, summarise
@@ -66,24 +66,10 @@ def efficiency(rows: list[dict], costs: dict) -> None:
             row["efficiency"] = row["speedup"] / row["ideal"]
 
 
-def _reference(decoder: ReferenceDecoder, prompts, depths: int, max_tokens: int, plain: float) -> dict:
-    rows = []
-    for depth in [None, *range(1, depths + 1)]:
-        tokens = seconds = 0.0
-        stats = MTPStats(depth)
-        for prompt in prompts:
-            stream = decoder.stream(prompt, max_tokens, depth)
-            next(stream)
-            start = time.perf_counter()
-            tokens += sum(1 for _ in stream)
-            seconds += time.perf_counter() - start
-            if depth is not None and decoder.stats() is not None:
-                stats.add(decoder.stats())
-        rows.append({"name": "plain" if depth is None else f"depth {depth}", "tokens_per_second": tokens / seconds,
-                     "speedup": tokens / seconds / plain,
-                     "tokens_per_cycle": stats.tokens_per_cycle if depth else None,
-                     "acceptance_by_depth": stats.acceptance_by_depth if depth else None})
-    return {"name": decoder.name, "candidates": rows}
+def _reference(decoder: ReferenceDecoder, prompts, depths: int, max_tokens: int, repeats: int) -> dict:
+    candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}}
+    results = measure.candidates(decoder.stream, decoder.stats, prompts, candidates, max_tokens, repeats)
+    return {"name": decoder.name, "candidates": summarise(results)}
 
 
 def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int = 3, dtype: str | None = None) -> dict:
@@ -114,10 +100,9 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
         cast(model, DTYPES[dtype])
     prompts = [tokenizer.encode(p) for p in measure.code_prompts()]
     candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}, "adaptive": 0}
-    rows = summarise(measure.candidates(model, prompts, candidates, max_tokens, repeats))
+    rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats))
     costs = measure.component_costs(model, prompts[0], depths)
     efficiency(rows, costs)
-    plain = rows[0]["tokens_per_second"]
     del model  # free it before another runtime loads the checkpoint
     gc.collect()
     mx.clear_cache()
@@ -125,9 +110,11 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
     for item in hook().mtp_reference_decoders(model_dir=Path(model_dir), dtype=DTYPES.get(dtype)):
         for decoder in item:
             references.append(decoder if isinstance(decoder, str) else
-                              _reference(decoder, prompts, depths, max_tokens, plain))
+                              _reference(decoder, prompts, depths, max_tokens, repeats))
     t1 = costs["plain"]
     return {"candidates": rows, "references": references, "dtype": dtype,
+            "adaptive_start": tuning.start_depth(Path(model_dir), DEFAULT_DEPTH, MAX_DEPTH),
+            "adaptive_tuned": tuning.recorded_depth(Path(model_dir)) is not None,
             "costs": {"plain_seconds": t1, "verify": {k: v / t1 for k, v in costs["verify"].items()},
                       "draft": {d: v / t1 for d, v in costs["draft"].items()}}}
 
@@ -138,6 +125,9 @@ def render(report: dict) -> str:
              f"{'ideal':>6} {'effic.':>6}  acceptance by depth"]
     for r in report["candidates"]:
         lines.append(_row(r))
+    start, tuned = report["adaptive_start"], report["adaptive_tuned"]
+    lines.append(f"adaptive started {'parked (plain)' if start == 0 else f'at depth {start}'} "
+                 f"({'recorded by mtp-plugin tune' if tuned else 'default: no tuning record'})")
     c = report["costs"]
     lines.append(f"plain step t(1) = {c['plain_seconds'] * 1e3:.2f} ms; "
                  + "t_verify(k)/t(1): " + " ".join(f"k={k}:{v:.2f}" for k, v in c["verify"].items())
@@ -146,7 +136,9 @@ def render(report: dict) -> str:
         if isinstance(ref, str):
             lines.append(ref)
             continue
-        lines.append(f"{ref['name']} (speedup vs the plain decoding above):")
+        ratio = ref["candidates"][0]["tokens_per_second"] / report["candidates"][0]["tokens_per_second"]
+        lines.append(f"{ref['name']} (speedup vs its own plain decoding; its plain vs the plain above: "
+                     f"x{ratio:.3f}, measured at another time):")
         lines += ["  " + _row(r) for r in ref["candidates"]]
     return "\n".join(lines)
 

@@ -279,11 +279,13 @@ def generate(
                 if n == max_tokens:
                     return
             if kind == "cycle":
-                stats.record(d, accepted, len(block))
+                stats.record(accepted, len(block), d)
             elif kind == "plain":
                 stats.plain += 1
             emitted = 0
             d, upcoming = policy.next_depth() if upcoming is None else upcoming, None
+            if not 0 <= d <= MAX_DEPTH:
+                raise ValueError(f"depth policy chose depth {d}; it must be 0..{MAX_DEPTH}")
             if d == PLAIN:
                 hidden, block_logprobs, following = queued or plain_step(last)
                 drafter.keep(hidden, following)
@@ -323,9 +325,9 @@ def _settle(trunk, cache, kind, depth, recorder, queued, block, emitted, accepte
         if queued is None:
             trunk.hidden(mx.array(block[:1])[None], cache)
     elif emitted <= accepted:
-        stats.record(depth, emitted, emitted)
+        stats.record(emitted, emitted, depth)
         recorder.commit(cache, emitted + 1)
     else:  # the bonus token was yielded; plain decoding has fed it
-        stats.record(depth, accepted, emitted)
+        stats.record(accepted, emitted, depth)
         trunk.hidden(mx.array(block[-1:])[None], cache)
     mx.eval([c.state for c in cache])

@@ -78,6 +78,8 @@ class Drafter:
             qs.append(q)
             if k < depth - 1:
                 g = self.feed(g, x)
+        if depth == 1:
+            return drafts[0], qs[0]
         return mx.concatenate(drafts), None if self.sampling is None else mx.concatenate(qs)
 
     def accept(self, depth: int, hidden: mx.array, tokens: mx.array) -> None:

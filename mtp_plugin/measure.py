@@ -58,22 +58,32 @@ class Result:
     stats: MTPStats | None
 
 
-def _decode(model, prompt: list[int], max_tokens: int, depth) -> tuple[int, float]:
-    """(tokens after the first, seconds from the first token to the last) of one greedy generation."""
-    tokens = hook().mtp_decode(model=model, prompt=prompt, max_tokens=max_tokens, depth=depth)
-    next(tokens)
+def _timed(stream) -> tuple[int, float]:
+    """(tokens after the first, seconds from the first token to the last) of one generation's token stream."""
+    next(stream)
     start = time.perf_counter()
-    count = sum(1 for _ in tokens)
+    count = sum(1 for _ in stream)
     return count, time.perf_counter() - start
 
 
-def candidates(model, prompts: list[list[int]], depths: dict, max_tokens: int, repeats: int) -> dict[str, Result]:
-    """Measure each candidate.
+def runtime_decoder(model):
+    """``(decode, stats)`` for ``model`` in the installed runtime: ``decode(prompt, max_tokens, depth)`` streams
+    greedy tokens (``mtp_decode`` hook), ``stats()`` the counters of the last MTP generation."""
+    def decode(prompt, max_tokens, depth):
+        return hook().mtp_decode(model=model, prompt=prompt, max_tokens=max_tokens, depth=depth)
+
+    return decode, lambda: model.mtp_head.stats
+
+
+def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens: int,
+               repeats: int) -> dict[str, Result]:
+    """Measure each candidate, interleaved.
 
     Args:
-        model: a runtime model with ``mtp_head``.
+        decode: ``decode(prompt, max_tokens, depth)`` → iterator of greedy token ids.
+        stats: ``stats()`` → ``MTPStats`` of the last MTP generation (or None).
         prompts: token ids of each prompt.
-        depths: name → depth argument of the ``mtp_decode`` hook (None: plain decoding, 0: adaptive, 1..8).
+        depths: name → depth argument of ``decode`` (None: plain decoding, 0: adaptive, 1..8).
         max_tokens: tokens generated per prompt.
         repeats: repeats of the whole suite (≥ 1).
 
@@ -81,20 +91,20 @@ def candidates(model, prompts: list[list[int]], depths: dict, max_tokens: int, r
         name → Result, in the order of ``depths``.
     """
     for depth in depths.values():  # warm-up: first calls allocate and trace
-        _decode(model, prompts[0], 8, depth)
+        _timed(decode(prompts[0], 8, depth))
     runs: dict[str, list[float]] = {name: [] for name in depths}
-    stats: dict[str, MTPStats | None] = dict.fromkeys(depths)
+    totals: dict[str, MTPStats | None] = dict.fromkeys(depths)
     for _ in range(repeats):
         for name, depth in depths.items():
             tokens = seconds = 0.0
             for prompt in prompts:
-                n, s = _decode(model, prompt, max_tokens, depth)
+                n, s = _timed(decode(prompt, max_tokens, depth))
                 tokens, seconds = tokens + n, seconds + s
-                if depth is not None:
-                    stats[name] = stats[name] or MTPStats(depth or None)
-                    stats[name].add(model.mtp_head.stats)
+                if depth is not None and stats() is not None:
+                    totals[name] = totals[name] or MTPStats(depth or None)
+                    totals[name].add(stats())
             runs[name].append(tokens / seconds)
-    return {name: Result(name, statistics.median(runs[name]), runs[name], stats[name]) for name in depths}
+    return {name: Result(name, statistics.median(runs[name]), runs[name], totals[name]) for name in depths}
 
 
 def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30) -> dict:

@@ -32,8 +32,10 @@ class MTPStats:
     accepted_at: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
 
-    def record(self, depth: int, accepted: int, emitted: int) -> None:
-        """One cycle at draft depth ``depth``: ``accepted`` leading drafts accepted, ``emitted`` tokens emitted."""
+    def record(self, accepted: int, emitted: int, depth: int | None = None) -> None:
+        """One cycle: ``accepted`` leading drafts accepted, ``emitted`` tokens emitted, at draft depth ``depth``
+        (default: the fixed ``self.depth``)."""
+        depth = self.depth if depth is None else depth
         grow = depth - len(self.reached)
         if grow > 0:
             self.reached += [0] * grow

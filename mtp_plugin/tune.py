@@ -57,7 +57,7 @@ def tune(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int =
     model, tokenizer = load(model_dir)
     prompts = [tokenizer.encode(p) for p in measure.code_prompts()]
     candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}}
-    rows = summarise(measure.candidates(model, prompts, candidates, max_tokens, repeats))
+    rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats))
     best = max(rows[1:], key=lambda r: r["tokens_per_second"])
     depth = candidates[best["name"]] if best["speedup"] >= 1 + MARGIN else 0
     path = tuning.record(Path(model_dir), depth, {r["name"]: r["tokens_per_second"] for r in rows}, write)

@@ -164,3 +164,8 @@ def test_head_history_after_parking_equals_feeding_all_along(tiny):
     assert len(prompt) + 20 < fed < sequence.shape[1]
     for got, want in ((head_cache.keys, reference.keys), (head_cache.values, reference.values)):
         np.testing.assert_allclose(np.array(got[..., :fed, :]), np.array(want[..., :fed, :]), rtol=1e-4, atol=1e-4)
+
+
+def test_policy_depth_out_of_range_is_refused(random_model):
+    with pytest.raises(ValueError, match="depth policy chose depth 9"):
+        tokens(random_model, [3, 17, 42], max_tokens=4, mtp_depth=Schedule([9]))
