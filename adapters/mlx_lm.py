@@ -99,6 +99,24 @@ def mtp_load_model(model_dir):
 
 
 @hookimpl
+def mtp_decode(model, prompt, max_tokens, depth):
+    """Greedy tokens of mlx-lm's ``generate_step`` as patched: stock when ``depth`` is None, else MTP at ``depth``."""
+    import mlx.core as mx
+
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    options = {"enable_mtp": False} if depth is None else {"mtp_depth": depth}
+    return (token for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, **options))
+
+
+@hookimpl
+def mtp_new_caches(model):
+    """mlx-lm's prompt cache for the trunk and a ``KVCache`` for the head."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    return make_prompt_cache(model), KVCache()
+
+
+@hookimpl
 def mtp_unpatch_runtime():
     """Restore stock mlx-lm."""
     with _lock:

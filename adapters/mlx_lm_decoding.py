@@ -2,6 +2,9 @@
 
 * ``generate_step`` is wrapped: a model with a loaded head decodes through ``mtp_generate_step``;
   anything else (no head, ``enable_mtp=False``, input embeddings, a custom sampler) is stock.
+  ``mtp_depth`` 1..8 fixes the draft depth; 0 / None (automatic) runs the adaptive controller, starting
+  from the depth ``mtp-plugin tune`` recorded for the model (``tuning.py``); a depth policy object is used
+  as given.
 * ``make_sampler`` is wrapped to describe the samplers it makes (temperature and filters, mlx-lm's
   own ``apply_*`` functions in mlx-lm's order) so that rejection sampling uses exactly that distribution.
 * ``generate`` is wrapped to print which head is used (stderr) and the MTP summary line after
@@ -17,9 +20,11 @@ import logging
 import sys
 import weakref
 
-from mtp_plugin.decoding import DEFAULT_DEPTH, Sampling
+from mtp_plugin.controller import DepthController
+from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH, Sampling
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
+from mtp_plugin.tuning import start_depth
 
 from .patching import release
 
@@ -85,13 +90,13 @@ def decoding_options(model, loaded, depth, kwargs) -> dict | None:
     if sampler is not None and sampler not in SAMPLINGS:
         log.warning("mtp_plugin: a custom sampler has no known distribution; decoding without MTP.")
         return None
-    depth = depth or CLI["depth"] or DEFAULT_DEPTH
-    loaded.stats = MTPStats(depth)
+    depth = depth or CLI["depth"]  # 0 / None: automatic (adaptive); a depth policy object is used as given
+    loaded.stats = MTPStats(depth if isinstance(depth, int) and depth else None)
     cache = kwargs.get("prompt_cache")
     return {
         "cache": make_prompt_cache(model) if cache is None else cache,
         "head_cache": KVCache(),
-        "depth": depth,
+        "depth": depth or DepthController(start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)),
         "max_tokens": kwargs.get("max_tokens", 256),
         "sampling": None if sampler is None else SAMPLINGS[sampler],
         "logits_processors": kwargs.get("logits_processors"),
@@ -132,7 +137,7 @@ def print_summary(generate):
             loaded.stats = None
             enabled = kwargs.get("enable_mtp", CLI["enabled"])
             if kwargs.get("verbose") and enabled:
-                announce(loaded, kwargs.get("mtp_depth") or CLI["depth"] or DEFAULT_DEPTH)
+                announce(loaded, kwargs.get("mtp_depth") or CLI["depth"])
         text = generate(model, tokenizer, prompt, *args, **kwargs)
         if kwargs.get("verbose") and loaded is not None and loaded.stats is not None:
             print(loaded.stats.summary())
@@ -166,5 +171,5 @@ def add_cli_flags(setup_arg_parser):
 
 
 def announce(loaded, depth: int) -> None:
-    """One line on stderr: MTP is on, which head from where, at what depth."""
-    print(f"MTP on: {loaded.summary()}, depth {depth}", file=sys.stderr)
+    """One line on stderr: MTP is on, which head from where, at what depth (0: adaptive)."""
+    print(f"MTP on: {loaded.summary()}, depth {depth or 'adaptive'}", file=sys.stderr)

@@ -68,6 +68,34 @@ def _verify(args) -> int:
     return 0 if usable else 1
 
 
+def _tune(args) -> int:
+    from .tune import tune
+
+    result = tune(args.model_dir, args.depths, args.max_tokens, args.repeats, args.write)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{'candidate':<10} {'tok/s':>8} {'speedup':>8} {'tok/cycle':>9}  acceptance by depth  "
+          f"(median of {args.repeats} runs, {args.max_tokens} tokens per prompt)")
+    for r in result["candidates"]:
+        cycle = f"{r['tokens_per_cycle']:9.2f}" if r["tokens_per_cycle"] is not None else f"{'-':>9}"
+        acceptance = " ".join(f"{p:.2f}" for p in r["acceptance_by_depth"] or []) or "-"
+        print(f"{r['name']:<10} {r['tokens_per_second']:>8.1f} {r['speedup']:>8.3f} {cycle}  {acceptance}")
+    depth = result["depth"]
+    choice = f"depth {depth}" if depth else "plain decoding (no depth beat it: MTP starts parked)"
+    where = result["cache"] + (f" and {args.model_dir / 'config.json'}" if result["written"] else "")
+    print(f"recommended: {choice}; recorded in {where}")
+    return 0
+
+
+def _bench(args) -> int:
+    from .bench import bench, render
+
+    report = bench(args.model_dir, args.depths, args.max_tokens, args.repeats, args.dtype)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0
+
+
 def render(report: dict) -> str:
     """The inspect report as one screen of text."""
     lines = [
@@ -121,6 +149,20 @@ def parser() -> argparse.ArgumentParser:
     verify.add_argument("--write", action="store_true", help="record the best wiring in config.json")
     verify.add_argument("--json", action="store_true")
     verify.set_defaults(run=_verify, model_dir_arg="model_dir")
+
+    for name, run, text in (("tune", _tune, "measure plain decoding and depths 1..N, record the fastest"),
+                            ("bench", _bench, "tokens/s, acceptance, cost ratios and efficiency of MTP decoding")):
+        command = sub.add_parser(name, help=text)
+        command.add_argument("model_dir", type=Path)
+        command.add_argument("--depths", type=int, default=3, help="measure draft depths 1..N (default 3)")
+        command.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
+        command.add_argument("--repeats", type=int, default=3, help="runs of the prompt suite (medians)")
+        command.add_argument("--json", action="store_true")
+        command.set_defaults(run=run, model_dir_arg="model_dir")
+    sub.choices["tune"].add_argument("--write", action="store_true",
+                                     help="also record the depth in the model's config.json")
+    sub.choices["bench"].add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                                      help="cast the floating weights after loading (e.g. an fp32/hf checkpoint)")
     return p
 
 

@@ -1,10 +1,9 @@
 """The MTP decoding loop: draft → verify → accept/reject → commit, one verify pass of the trunk per cycle.
 
-Each cycle the head drafts ``depth`` tokens (its first step consumes the trunk hidden states of every
-token committed since the last cycle, so its KV cache holds the pair (h[i], x[i+1]) for the whole
-context; further steps feed the head its own normed output and its own draft token), the trunk
-verifies ``[last token, drafts…]`` in one batched pass, and caches are rolled back to the accepted
-prefix (``rollback.py``) without running any token through the trunk again.
+Each cycle the head drafts ``depth`` tokens (``drafter.py``: its first step consumes the trunk hidden
+states of every token committed since its last step, so its KV cache holds the pair (h[i], x[i+1]) for
+the whole context), the trunk verifies ``[last token, drafts…]`` in one batched pass, and caches are
+rolled back to the accepted prefix (``rollback.py``) without running any token through the trunk again.
 
 Acceptance. Greedy: a draft is accepted iff it equals the trunk's argmax at its position, so the
 output is the trunk's own greedy output. Sampling: exact speculative sampling (Leviathan et al. 2023,
@@ -14,12 +13,18 @@ norm(max(p − q, 0)), and sample a bonus token from p when every draft is accep
 distribution after the runtime's logits processors and sampler filters, q the head's after the same
 filters, so the output distribution is exactly the trunk's.
 
+Depth: fixed, or chosen per cycle by a policy (``controller.DepthController``: adaptive depth, which
+may also "park" on plain decoding steps when no depth is predicted to beat plain decoding). The policy
+is fed each cycle's accepted count and its cost: the seconds spent in this loop (draft, verify, the
+cycle's host sync and bookkeeping; the consumer's time between yields excluded).
+
 Host synchronisation: one per cycle (the accepted count and the block of tokens), where plain
-decoding syncs once per token.
+decoding syncs once per token; plain steps sync once per token, pipelined as mlx-lm does.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,6 +33,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import rollback
+from .controller import PLAIN, FixedDepth
+from .drafter import Drafter
+from .drafter import log_softmax as _log_softmax
 from .stats import MTPStats
 
 DEFAULT_DEPTH = 2
@@ -65,10 +73,6 @@ class Sampling:
         for f in self.filters:
             logprobs = f(logprobs)
         return mx.softmax(logprobs.astype(mx.float32) / self.temp, axis=-1)
-
-
-def _log_softmax(logits: mx.array) -> mx.array:
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _categorical(probs: mx.array) -> mx.array:
@@ -116,6 +120,39 @@ def accept_sampled(p: mx.array, q: mx.array, drafts: mx.array) -> tuple[mx.array
     return accepted, block
 
 
+class DepthPolicy(Protocol):
+    """Chooses each cycle's draft depth (``controller.DepthController``, ``controller.FixedDepth``).
+
+    The loop asks once per cycle and reports every cycle it ran, both in order; the question for a cycle
+    may come before the previous cycle is reported (plain steps are queued one ahead).
+    """
+
+    def next_depth(self) -> int:
+        """Draft depth of the next cycle, 1..8, or 0 (``controller.PLAIN``) for one plain decoding step."""
+
+    def observe(self, depth: int, accepted: int, seconds: float) -> None:
+        """The cycle that ran: its depth (0: plain step), drafts accepted, seconds spent in the loop."""
+
+
+class _Stopwatch:
+    """Seconds spent inside the loop, the consumer's time between yields excluded."""
+
+    def __init__(self):
+        self.mark, self.busy = time.perf_counter(), 0.0
+
+    def pause(self) -> None:
+        self.busy += time.perf_counter() - self.mark
+
+    def resume(self) -> None:
+        self.mark = time.perf_counter()
+
+    def lap(self) -> float:
+        """Busy seconds since the previous lap."""
+        now = time.perf_counter()
+        busy, self.busy, self.mark = self.busy + now - self.mark, 0.0, now
+        return busy
+
+
 def generate(
     prompt: mx.array,
     trunk: Trunk,
@@ -123,7 +160,7 @@ def generate(
     *,
     cache: list,
     head_cache,
-    depth: int = DEFAULT_DEPTH,
+    depth: int | DepthPolicy = DEFAULT_DEPTH,
     max_tokens: int = 256,
     sampling: Sampling | None = None,
     logits_processors: Sequence[Callable] | None = None,
@@ -134,6 +171,12 @@ def generate(
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Generate tokens with the head as drafter and the trunk as verifier (mlx-lm ``generate_step`` contract).
 
+    Each cycle runs at the depth the policy chooses; depth 0 is a plain decoding step (the trunk on the
+    last token, no drafting). Consecutive plain steps are pipelined as in mlx-lm (the next step is queued
+    before the current token is yielded). The head is not run during plain steps: the trunk hidden states
+    of those tokens are kept and fed to the head in one batch when drafting resumes, so its cache holds the
+    same pairs (h[i], x[i+1]) as if it had drafted all along.
+
     Args:
         prompt: prompt token ids (T,), T ≥ 1.
         trunk: the trunk's hidden/embed/logits functions.
@@ -141,7 +184,7 @@ def generate(
         cache: the trunk's per-layer caches (updated in place; after the generator ends or is closed
             it holds the prompt and every yielded token, as plain decoding leaves it).
         head_cache: an empty trimmable KV cache for the head.
-        depth: draft depth d, 1 ≤ d ≤ 8.
+        depth: a fixed draft depth d, 1 ≤ d ≤ 8, or a policy choosing it per cycle (adaptive depth).
         max_tokens: tokens to generate (-1: no limit).
         sampling: None for greedy, else the runtime sampler's temperature and filters.
         logits_processors: mlx-lm style ``processor(tokens, logits) -> logits``, applied per verified position.
@@ -155,14 +198,15 @@ def generate(
         ``(token, logprobs)``: token id (int) and the trunk's log-probs (V,) at its position.
 
     Raises:
-        ValueError: depth outside 1..8 or an empty prompt.
+        ValueError: a fixed depth outside 1..8, a policy's depth outside 0..8, or an empty prompt.
         rollback.RollbackError: a cache that can neither be trimmed nor rolled back.
     """
-    if not 1 <= depth <= MAX_DEPTH:
+    if isinstance(depth, int) and not 1 <= depth <= MAX_DEPTH:
         raise ValueError(f"draft depth must be 1..{MAX_DEPTH}, got {depth}")
     if prompt.size == 0:
         raise ValueError("MTP decoding needs at least one prompt token")
-    stats = stats if stats is not None else MTPStats(depth)
+    policy = FixedDepth(depth) if isinstance(depth, int) else depth
+    stats = stats if stats is not None else MTPStats(depth if isinstance(depth, int) else None)
     processors = list(logits_processors or [])
     callback = prompt_progress_callback or (lambda *_: None)
     history = (prompt if prefill_history else prompt[-1:]) if processors else None
@@ -180,96 +224,110 @@ def generate(
             logits = mx.concatenate(rows, axis=0)
         return _log_softmax(logits)
 
-    def feed_head(hidden: mx.array, tokens: mx.array) -> mx.array:
-        return head(hidden, trunk.embed(tokens[None]), cache=head_cache)
+    def pick(logprobs: mx.array) -> mx.array:
+        return mx.argmax(logprobs, axis=-1) if sampling is None else _categorical(sampling.probs(logprobs))
 
+    def plain_step(token: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queue one plain step on ``token`` (1,): its hidden state (1, 1, H), log-probs (1, V), next token (1,)."""
+        nonlocal history
+        hidden = trunk.hidden(token[None], cache)
+        logprobs = logprobs_at(trunk.logits(hidden[0]), token, history)
+        if processors:
+            history = mx.concatenate([history, token])
+        following = pick(logprobs)
+        mx.async_eval(following, logprobs)
+        return hidden, logprobs, following
+
+    drafter = Drafter(head, trunk, head_cache, sampling)
     # Prefill exactly as plain decoding chunks it: all but the last prompt token, then the last.
     total, done, carry = prompt.size, 0, None
     callback(0, total)
     while total - done > 1:
         chunk = prompt[done : done + min(prefill_step_size, total - done - 1)]
-        carry = _head_prefill(feed_head, carry, trunk.hidden(chunk[None], cache), chunk)
+        carry = drafter.prefill(carry, trunk.hidden(chunk[None], cache), chunk)
         mx.eval([c.state for c in cache], head_cache.state)
         done += chunk.size
         callback(done, total)
-    last = prompt[done:]
-    hidden = trunk.hidden(last[None], cache)
-    _head_prefill(feed_head, carry, hidden, last)
-    first = logprobs_at(trunk.logits(hidden[0, -1:]), last[-1:], history[:-1] if processors else None)
-    token = mx.argmax(first, axis=-1) if sampling is None else _categorical(sampling.probs(first))
+    chunk = prompt[done:]
+    hidden = trunk.hidden(chunk[None], cache)
+    drafter.prefill(carry, hidden, chunk)
+    first = logprobs_at(trunk.logits(hidden[0, -1:]), chunk[-1:], history[:-1] if processors else None)
+    token = pick(first)
     callback(total, total)
 
-    pending_hidden, pending_tokens = hidden[:, -1:], token
-    block, block_logprobs = token.tolist(), first
-    accepted, recorder, emitted, n = 0, None, 0, 0
+    drafter.keep(hidden[:, -1:], token)
+    last = token  # (1,): the newest token, not yet fed to the trunk
+    block_logprobs, kind, queued, upcoming = first, "first", None, None  # kind: what produced the next block
+    d, accepted, recorder, emitted, n = PLAIN, 0, None, 0, 0
+    clock = _Stopwatch()
     try:
         while True:
+            if kind != "cycle":  # one token, ``last``, still being computed
+                upcoming = policy.next_depth() if n != max_tokens else None
+                if upcoming == PLAIN:
+                    queued = plain_step(last)  # pipelined as in mlx-lm: queued before ``last`` is read
+                block = last.tolist()
+                if kind == "plain":
+                    policy.observe(PLAIN, 0, clock.lap())
             for tok in block:
                 if n == max_tokens:
                     return
                 emitted, n = emitted + 1, n + 1  # counted before the yield: the consumer may stop there
+                clock.pause()
                 yield tok, block_logprobs[emitted - 1]
+                clock.resume()
                 if n == max_tokens:
                     return
-            if recorder is not None:
-                stats.record(accepted, len(block))
+            if kind == "cycle":
+                stats.record(accepted, len(block), d)
+            elif kind == "plain":
+                stats.plain += 1
             emitted = 0
-            # Draft.
-            g = feed_head(pending_hidden, pending_tokens)[:, -1:]
-            drafts, qs = [], []
-            for k in range(depth):
-                draft_logprobs = _log_softmax(trunk.logits(g)[0].astype(mx.float32))
-                if sampling is None:
-                    d = mx.argmax(draft_logprobs, axis=-1)
-                else:
-                    qs.append(sampling.probs(draft_logprobs))
-                    d = _categorical(qs[-1])
-                drafts.append(d)
-                if k < depth - 1:
-                    g = feed_head(g, d)
-            drafts = mx.concatenate(drafts)
-            # Verify.
-            inputs = mx.concatenate([pending_tokens[-1:], drafts])
+            d, upcoming = policy.next_depth() if upcoming is None else upcoming, None
+            if not 0 <= d <= MAX_DEPTH:
+                raise ValueError(f"depth policy chose depth {d}; it must be 0..{MAX_DEPTH}")
+            if d == PLAIN:
+                hidden, block_logprobs, following = queued or plain_step(last)
+                drafter.keep(hidden, following)
+                queued, kind, accepted, last = None, "plain", 0, following
+                continue
+            # Draft, then verify [last, drafts…] in one trunk pass.
+            drafts, q = drafter.draft(d)
+            mx.async_eval(drafts)  # the head runs while the verify pass is being built
+            inputs = mx.concatenate([last, drafts])
             with rollback.capturing(inputs.size) as recorder:
                 hidden = trunk.hidden(inputs[None], cache)
             logprobs = logprobs_at(trunk.logits(hidden[0]), inputs, history)
             if sampling is None:
                 accepted_arr, tokens = accept_greedy(logprobs, drafts)
             else:
-                accepted_arr, tokens = accept_sampled(sampling.probs(logprobs), mx.concatenate(qs), drafts)
+                accepted_arr, tokens = accept_sampled(sampling.probs(logprobs), q, drafts)
             mx.eval(accepted_arr, tokens)
             accepted = accepted_arr.item()
-            block, block_logprobs = tokens[: accepted + 1].tolist(), logprobs
+            block, block_logprobs, kind = tokens[: accepted + 1].tolist(), logprobs, "cycle"
             # Commit.
             recorder.commit(cache, accepted + 1)
-            if depth > 1:
-                head_cache.trim(depth - 1)
+            drafter.accept(d, hidden[:, : accepted + 1], tokens[: accepted + 1])
             if processors:
                 history = mx.concatenate([history, inputs[: accepted + 1]])
-            pending_hidden, pending_tokens = hidden[:, : accepted + 1], tokens[: accepted + 1]
+            last = tokens[accepted : accepted + 1]
+            policy.observe(d, accepted, clock.lap())
     finally:
-        _settle(trunk, cache, recorder, block, emitted, accepted, stats)
+        _settle(trunk, cache, kind, d, recorder, queued, block, emitted, accepted, stats)
 
 
-def _head_prefill(feed_head, carry: mx.array | None, hidden: mx.array, tokens: mx.array) -> mx.array:
-    """Run the head on the pairs (h[i], x[i+1]) completed by this chunk; returns the chunk's last hidden."""
-    pairs_hidden = hidden[:, :-1] if carry is None else mx.concatenate([carry, hidden[:, :-1]], axis=1)
-    pairs_tokens = tokens[1:] if carry is None else tokens
-    if pairs_tokens.size:
-        feed_head(pairs_hidden, pairs_tokens)
-    return hidden[:, -1:]
-
-
-def _settle(trunk, cache, recorder, block, emitted, accepted, stats) -> None:
+def _settle(trunk, cache, kind, depth, recorder, queued, block, emitted, accepted, stats) -> None:
     """Leave the trunk cache holding exactly the prompt and every yielded token, as plain decoding does."""
     if emitted == 0:
         return
-    if recorder is None:  # only the first token was yielded: plain decoding has fed it
-        trunk.hidden(mx.array(block[:1])[None], cache)
+    if kind != "cycle":  # one token, from the prompt pass or a plain step; plain decoding has fed it
+        stats.plain += kind == "plain"
+        if queued is None:
+            trunk.hidden(mx.array(block[:1])[None], cache)
     elif emitted <= accepted:
-        stats.record(emitted, emitted)
+        stats.record(emitted, emitted, depth)
         recorder.commit(cache, emitted + 1)
     else:  # the bonus token was yielded; plain decoding has fed it
-        stats.record(accepted, emitted)
+        stats.record(accepted, emitted, depth)
         trunk.hidden(mx.array(block[-1:])[None], cache)
     mx.eval([c.state for c in cache])

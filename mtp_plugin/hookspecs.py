@@ -72,6 +72,25 @@ def mtp_load_model(model_dir):
 
 
 @hookspec(firstresult=True)
+def mtp_decode(model, prompt: list, max_tokens: int, depth):
+    """Greedy token ids (an iterator of int) from the runtime's own generation loop, or None if no runtime handles
+    ``model``. ``depth``: None for stock decoding without MTP, 0 for automatic (adaptive) depth, 1..8 for a fixed
+    draft depth, or a depth policy object (``decoding.DepthPolicy``). Counters land on ``model.mtp_head.stats``."""
+
+
+@hookspec(firstresult=True)
+def mtp_new_caches(model) -> tuple | None:
+    """``(trunk_caches, head_cache)``: fresh runtime caches for ``model``'s trunk and its head, or None."""
+
+
+@hookspec
+def mtp_reference_decoders(model_dir, dtype) -> list:
+    """Other runtimes' own MTP decoders to compare against on ``model_dir`` (weights cast to ``dtype``, an
+    ``mx.Dtype`` or None): each item a ``ReferenceDecoder`` (see ``bench.py``) or a one-line string saying why
+    that runtime cannot run it."""
+
+
+@hookspec(firstresult=True)
 def mtp_trunk(model, contract):
     """The decoding loop's view of trunk ``model`` (``hidden``/``embed``/``logits``, see ``decoding.Trunk``)."""
 

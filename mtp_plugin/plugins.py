@@ -18,6 +18,7 @@ BUILTIN_PLUGINS = (
     "mtp_plugin.families.qwen3_5",
     "mtp_plugin.adapters.mlx_lm",
     "mtp_plugin.adapters.mlx_vlm",
+    "mtp_plugin.adapters.mlx_vlm_native",
 )
 
 _lock = threading.Lock()

@@ -2,45 +2,64 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 
 @dataclass
 class MTPStats:
-    """Counts for one generation.
+    """Counts for one generation (the first token, sampled from the prompt pass, is not counted).
 
     Attributes:
-        depth: draft depth used (drafts per cycle).
+        depth: the fixed draft depth, or None when the depth was chosen per cycle (adaptive).
         cycles: draft → verify → accept cycles run.
         drafted: draft tokens proposed.
         accepted: draft tokens accepted and emitted.
         emitted: tokens emitted by the cycles (accepted drafts plus one bonus/correction per cycle).
-        reached: per depth k (index k-1), cycles whose drafts 1..k-1 were all accepted.
-        accepted_at: per depth k, cycles whose draft k was accepted.
+        plain: tokens emitted by plain decoding steps (parked, or measuring the plain step cost).
+        reached: per draft position k (index k-1), cycles whose drafts 1..k-1 were all accepted.
+        accepted_at: per draft position k, cycles whose draft k was accepted.
+        depths: the draft depth of each cycle, in order.
     """
 
-    depth: int
+    depth: int | None = None
     cycles: int = 0
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
+    plain: int = 0
     reached: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
 
-    def __post_init__(self):
-        self.reached = self.reached or [0] * self.depth
-        self.accepted_at = self.accepted_at or [0] * self.depth
-
-    def record(self, accepted: int, emitted: int) -> None:
-        """One cycle: ``accepted`` leading drafts accepted, ``emitted`` tokens emitted by it."""
+    def record(self, accepted: int, emitted: int, depth: int | None = None) -> None:
+        """One cycle: ``accepted`` leading drafts accepted, ``emitted`` tokens emitted, at draft depth ``depth``
+        (default: the fixed ``self.depth``)."""
+        depth = self.depth if depth is None else depth
+        grow = depth - len(self.reached)
+        if grow > 0:
+            self.reached += [0] * grow
+            self.accepted_at += [0] * grow
         self.cycles += 1
-        self.drafted += self.depth
+        self.drafted += depth
         self.accepted += accepted
         self.emitted += emitted
-        for k in range(min(accepted + 1, self.depth)):
+        self.depths.append(depth)
+        for k in range(min(accepted + 1, depth)):
             self.reached[k] += 1
         for k in range(accepted):
             self.accepted_at[k] += 1
+
+    def add(self, other: MTPStats) -> None:
+        """Accumulate another generation's counts into this one (the depths of both are kept)."""
+        for name in ("cycles", "drafted", "accepted", "emitted", "plain"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("reached", "accepted_at"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            mine += [0] * (len(theirs) - len(mine))
+            for k, v in enumerate(theirs):
+                mine[k] += v
+        self.depths += other.depths
 
     @property
     def acceptance(self) -> float:
@@ -49,7 +68,7 @@ class MTPStats:
 
     @property
     def acceptance_by_depth(self) -> list[float]:
-        """Conditional acceptance p_k = P(draft k accepted | drafts 1..k-1 accepted), k = 1..depth."""
+        """Conditional acceptance p_k = P(draft k accepted | drafts 1..k-1 accepted), k = 1..deepest depth run."""
         return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached, strict=True)]
 
     @property
@@ -57,7 +76,18 @@ class MTPStats:
         """Emitted tokens per cycle (each cycle is one verify pass of the trunk)."""
         return self.emitted / self.cycles if self.cycles else 0.0
 
+    @property
+    def passes_per_token(self) -> float:
+        """Trunk forward passes per token emitted after the first (cycles and plain steps alike)."""
+        tokens = self.emitted + self.plain
+        return (self.cycles + self.plain) / tokens if tokens else 0.0
+
     def summary(self) -> str:
-        """The line ``mlx_lm.generate`` prints: ``MTP: depth=2 drafted=120 accepted=96 acceptance=0.800 ...``."""
-        return (f"MTP: depth={self.depth} drafted={self.drafted} accepted={self.accepted} "
+        """The line ``mlx_lm.generate`` prints: ``MTP: depth=2 drafted=120 accepted=96 …``; an adaptive
+        generation says ``depth=auto`` and adds the cycles run at each depth and the plain tokens."""
+        line = (f"MTP: depth={self.depth or 'auto'} drafted={self.drafted} accepted={self.accepted} "
                 f"acceptance={self.acceptance:.3f} tokens/cycle={self.tokens_per_cycle:.2f}")
+        if self.depth is None:
+            counts = sorted(Counter(self.depths).items())
+            line += f" cycles={','.join(f'd{d}:{n}' for d, n in counts) or '-'} plain={self.plain}"
+        return line

@@ -1,0 +1,52 @@
+"""Benchmark MTP decoding on the bundled tiny checkpoint (or any model directory) and keep a dated result file.
+
+    python examples/bench.py [--model DIR] [--dtype bfloat16] [--depths 3] [--max-tokens 128] [--repeats 3]
+                             [--out benchmarks/results]
+
+A thin wrapper around ``mtp-plugin bench`` (``mtp_plugin.bench``): prints the report, preceded by the
+machine and versions; with ``--out`` also writes it to ``DIR/<date>-<device>.txt``.
+"""
+
+import argparse
+import datetime
+import json
+import os
+from pathlib import Path
+
+from mtp_plugin import tuning
+from mtp_plugin.bench import bench, render
+
+DEFAULT_MODEL = Path(__file__).resolve().parent / "tiny-qwen3_5" / "hf"
+
+
+def main() -> None:
+    """Parse arguments, run the bench, print it and maybe write the dated result file."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16", "none"])
+    parser.add_argument("--depths", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="directory for the dated result file")
+    args = parser.parse_args()
+
+    machine, versions = tuning.machine(), tuning.versions()
+    dtype = None if args.dtype == "none" else args.dtype
+    report = bench(args.model, args.depths, args.max_tokens, args.repeats, dtype)
+    header = [f"mtp-plugin bench {args.model.name} ({args.model}), dtype {args.dtype}, greedy, code prompts, "
+              f"{args.max_tokens} tokens per prompt, median of {args.repeats} runs",
+              f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+              f"machine: {json.dumps(machine)}, {os.cpu_count()} CPUs",
+              f"versions: {json.dumps(versions)}", ""]
+    text = "\n".join(header) + render(report) + "\n"
+    print(text, end="")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        device = machine["device_name"].replace(" ", "-")
+        path = args.out / f"{datetime.date.today().isoformat()}-{device}-{args.model.name}-{args.dtype}.txt"
+        path.write_text(text)
+        print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""``mtp-plugin bench``: how fast MTP decoding is, and how close it comes to what its costs allow.
+
+From one run on the code prompt suite (``measure.py``): tokens/s of plain decoding (the runtime's
+own loop, MTP off), of MTP at each fixed depth and of the adaptive controller; acceptance by depth,
+tokens per cycle and trunk passes per generated token; the measured cost of a verify pass of k tokens
+t_verify(k) and of d draft steps t_draft(d), relative to a plain step t(1); the ideal speedup those
+costs allow at depth d (Leviathan et al. 2023, §3.1: tokens per cycle over the cycle's cost in plain
+steps)
+
+    ideal(d) = tokens_per_cycle(d) / ((t_draft(d) + t_verify(d + 1)) / t(1)),
+
+and efficiency = achieved speedup ÷ ideal(d): 1.0 means the loop adds nothing to the passes it must
+run (host bookkeeping, syncs, wasted trunk work all lower it). Then, where installed, other runtimes'
+own MTP decoders on the same checkpoint (``mtp_reference_decoders`` hook), or one line saying why not.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Protocol
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+from . import measure, tuning
+from .decoding import DEFAULT_DEPTH, MAX_DEPTH
+from .plugins import hook
+from .stats import MTPStats
+from .tune import load, summarise
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+class ReferenceDecoder(Protocol):
+    """Another runtime's own MTP decoding, for side-by-side figures."""
+
+    name: str
+
+    def stream(self, prompt: list[int], max_tokens: int, depth: int | None):
+        """Greedy token ids (iterator of int); ``depth`` None: that runtime's plain decoding."""
+
+    def stats(self) -> MTPStats | None:
+        """Counters of the last stream (None if the runtime keeps none)."""
+
+
+def cast(model, dtype) -> None:
+    """Cast every floating parameter of ``model`` and of its head to ``dtype`` (quantized weights stay)."""
+    def convert(a):
+        return a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a
+
+    model.update(tree_map(convert, model.parameters()))
+    head = getattr(model, "mtp_head", None)
+    if head is not None:
+        head.module.update(tree_map(convert, head.module.parameters()))
+
+
+def efficiency(rows: list[dict], costs: dict) -> None:
+    """Add ``ideal`` and ``efficiency`` to each fixed-depth row (``depth N``), in place."""
+    t1 = costs["plain"]
+    for row in rows:
+        if row["name"].startswith("depth "):
+            d = int(row["name"].split()[1])
+            relative = (costs["draft"][d] + costs["verify"][d + 1]) / t1
+            row["ideal"] = row["tokens_per_cycle"] / relative
+            row["efficiency"] = row["speedup"] / row["ideal"]
+
+
+def _reference(decoder: ReferenceDecoder, prompts, depths: int, max_tokens: int, repeats: int) -> dict:
+    candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}}
+    results = measure.candidates(decoder.stream, decoder.stats, prompts, candidates, max_tokens, repeats)
+    return {"name": decoder.name, "candidates": summarise(results)}
+
+
+def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int = 3, dtype: str | None = None) -> dict:
+    """Run the benchmark on ``model_dir``.
+
+    Args:
+        model_dir: model directory with an MTP head.
+        depths: fixed depths 1..depths are measured (1..8).
+        max_tokens: tokens per prompt.
+        repeats: repeats of the suite (medians).
+        dtype: cast floating weights to ``float32`` / ``float16`` / ``bfloat16`` after loading, or None.
+
+    Returns:
+        ``{"candidates": rows (see ``tune.summarise``, plus ``ideal``/``efficiency`` per depth),
+        "costs": {"verify": {k: t_verify(k)/t(1)}, "draft": {d: t_draft(d)/t(1)}, "plain_seconds": t(1)},
+        "references": [{"name", "candidates"} or a string saying why not]}``.
+
+    Raises:
+        CheckpointError: no usable head.
+        ValueError: ``depths`` outside 1..8 or an unknown dtype.
+    """
+    if not 1 <= depths <= 8:
+        raise ValueError(f"--depths must be 1..8, got {depths}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    model, tokenizer = load(model_dir)
+    if dtype is not None:
+        cast(model, DTYPES[dtype])
+    prompts = [tokenizer.encode(p) for p in measure.code_prompts()]
+    candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}, "adaptive": 0}
+    rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats))
+    costs = measure.component_costs(model, prompts[0], depths)
+    efficiency(rows, costs)
+    del model  # free it before another runtime loads the checkpoint
+    gc.collect()
+    mx.clear_cache()
+    references = []
+    for item in hook().mtp_reference_decoders(model_dir=Path(model_dir), dtype=DTYPES.get(dtype)):
+        for decoder in item:
+            references.append(decoder if isinstance(decoder, str) else
+                              _reference(decoder, prompts, depths, max_tokens, repeats))
+    t1 = costs["plain"]
+    return {"candidates": rows, "references": references, "dtype": dtype,
+            "adaptive_start": tuning.start_depth(Path(model_dir), DEFAULT_DEPTH, MAX_DEPTH),
+            "adaptive_tuned": tuning.recorded_depth(Path(model_dir)) is not None,
+            "costs": {"plain_seconds": t1, "verify": {k: v / t1 for k, v in costs["verify"].items()},
+                      "draft": {d: v / t1 for d, v in costs["draft"].items()}}}
+
+
+def render(report: dict) -> str:
+    """The bench report as text: one table of candidates, the cost ratios, the references."""
+    lines = [f"{'candidate':<10} {'tok/s':>8} {'speedup':>8} {'tok/cycle':>9} {'passes/tok':>10} "
+             f"{'ideal':>6} {'effic.':>6}  acceptance by depth"]
+    for r in report["candidates"]:
+        lines.append(_row(r))
+    start, tuned = report["adaptive_start"], report["adaptive_tuned"]
+    lines.append(f"adaptive started {'parked (plain)' if start == 0 else f'at depth {start}'} "
+                 f"({'recorded by mtp-plugin tune' if tuned else 'default: no tuning record'})")
+    c = report["costs"]
+    lines.append(f"plain step t(1) = {c['plain_seconds'] * 1e3:.2f} ms; "
+                 + "t_verify(k)/t(1): " + " ".join(f"k={k}:{v:.2f}" for k, v in c["verify"].items())
+                 + "; t_draft(d)/t(1): " + " ".join(f"d={d}:{v:.2f}" for d, v in c["draft"].items()))
+    for ref in report["references"]:
+        if isinstance(ref, str):
+            lines.append(ref)
+            continue
+        ratio = ref["candidates"][0]["tokens_per_second"] / report["candidates"][0]["tokens_per_second"]
+        lines.append(f"{ref['name']} (speedup vs its own plain decoding; its plain vs the plain above: "
+                     f"x{ratio:.3f}, measured at another time):")
+        lines += ["  " + _row(r) for r in ref["candidates"]]
+    return "\n".join(lines)
+
+
+def _row(r: dict) -> str:
+    def num(key, fmt, width):
+        return (format(r[key], fmt) if r.get(key) is not None else "-").rjust(width)
+
+    acceptance = " ".join(f"{p:.2f}" for p in r["acceptance_by_depth"]) if r.get("acceptance_by_depth") else "-"
+    return (f"{r['name']:<10} {r['tokens_per_second']:>8.1f} {r['speedup']:>8.3f} "
+            f"{num('tokens_per_cycle', '.2f', 9)} {num('passes_per_token', '.3f', 10)} {num('ideal', '.3f', 6)} "
+            f"{num('efficiency', '.3f', 6)}  {acceptance}")

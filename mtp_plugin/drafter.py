@@ -1,0 +1,90 @@
+"""The head's side of the decoding loop: its KV history and the drafts it proposes.
+
+The head's cache must hold the pair (h[i], x[i+1]) (trunk hidden state at i, token at i+1) for every
+committed position. The prompt's pairs are fed chunk by chunk as the trunk prefills it; later pairs
+(the accepted prefix of each verify pass, the tokens of plain decoding steps) are kept and fed in one
+batch by the next draft, so a head that did not run while the loop was parked drafts exactly as one
+fed at every token. Draft steps 2..d feed the head its own normed output and its own draft token
+(Qwen3-Next / Qwen3.5 MTP wiring, as vLLM's ``qwen3_next_mtp.py``); their cache rows are dropped once
+the drafts are verified.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    """log-softmax over the last axis, same shape and dtype as ``logits``."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+class Drafter:
+    """Drafting with a loaded MTP head.
+
+    Args:
+        head: the head module, ``head(hidden (1, S, H), embeddings (1, S, H), cache) -> (1, S, H)``.
+        trunk: the trunk's ``embed`` / ``logits`` functions (``decoding.Trunk``).
+        cache: the head's empty trimmable KV cache.
+        sampling: None for greedy drafts, else a ``decoding.Sampling`` (drafts drawn from q).
+    """
+
+    def __init__(self, head: nn.Module, trunk, cache, sampling=None):
+        self.head, self.trunk, self.cache, self.sampling = head, trunk, cache, sampling
+        self.pending: list[tuple[mx.array, mx.array]] = []  # pairs (hidden (1, n, H), tokens (n,)) not yet fed
+
+    def feed(self, hidden: mx.array, tokens: mx.array) -> mx.array:
+        """Run the head on pairs (hidden (1, S, H), tokens (S,)), appending them to its cache; (1, S, H)."""
+        return self.head(hidden, self.trunk.embed(tokens[None]), cache=self.cache)
+
+    def choose(self, g: mx.array) -> tuple[mx.array, mx.array | None]:
+        """Draft token (1,) from head output g (1, 1, H): the argmax, or a sample from q (1, V) when sampling."""
+        logits = self.trunk.logits(g)[0]
+        if self.sampling is None:
+            return mx.argmax(logits, axis=-1), None
+        q = self.sampling.probs(log_softmax(logits.astype(mx.float32)))
+        return mx.random.categorical(mx.log(q)), q
+
+    def prefill(self, carry: mx.array | None, hidden: mx.array, tokens: mx.array) -> mx.array:
+        """Feed the pairs a prompt chunk completes (``carry``: the previous chunk's last hidden, or None).
+
+        Returns the chunk's last hidden state (1, 1, H), the next chunk's carry.
+        """
+        pairs_hidden = hidden[:, :-1] if carry is None else mx.concatenate([carry, hidden[:, :-1]], axis=1)
+        pairs_tokens = tokens[1:] if carry is None else tokens
+        if pairs_tokens.size:
+            self.feed(pairs_hidden, pairs_tokens)
+        return hidden[:, -1:]
+
+    def keep(self, hidden: mx.array, tokens: mx.array) -> None:
+        """Committed pairs (hidden (1, n, H), tokens (n,)), fed to the head by the next draft."""
+        self.pending.append((hidden, tokens))
+
+    def draft(self, depth: int) -> tuple[mx.array, mx.array | None]:
+        """Queue ``depth`` draft steps after feeding every kept pair.
+
+        Returns:
+            draft tokens (depth,) and, when sampling, the distributions q (depth, V) they were drawn from.
+        """
+        hidden = mx.concatenate([h for h, _ in self.pending], axis=1) if len(self.pending) > 1 else self.pending[0][0]
+        tokens = mx.concatenate([t for _, t in self.pending]) if len(self.pending) > 1 else self.pending[0][1]
+        self.pending = []
+        g = self.feed(hidden, tokens)[:, -1:]
+        drafts, qs = [], []
+        for k in range(depth):
+            x, q = self.choose(g)
+            drafts.append(x)
+            qs.append(q)
+            if k < depth - 1:
+                g = self.feed(g, x)
+        if depth == 1:
+            return drafts[0], qs[0]
+        return mx.concatenate(drafts), None if self.sampling is None else mx.concatenate(qs)
+
+    def accept(self, depth: int, hidden: mx.array, tokens: mx.array) -> None:
+        """After a verify pass at ``depth``: drop the draft steps' rows, keep the accepted pairs
+        (hidden (1, a+1, H) of the verified inputs, tokens (a+1,) that follow them)."""
+        if depth > 1:
+            self.cache.trim(depth - 1)
+        self.keep(hidden, tokens)

@@ -1,0 +1,159 @@
+"""Decode-speed measurements shared by ``mtp-plugin tune`` and ``bench``: a code prompt suite, tokens per
+second of each decoding candidate (through the runtime's own generation loop), and the cost of the
+loop's parts (plain step, verify pass, draft steps) relative to a plain step.
+
+Tokens per second count the tokens after the first (the first comes from the prompt pass, the same for
+every candidate) over the seconds from the first token to the last, greedy. Candidates are run
+interleaved (each repeat runs every candidate on every prompt) so that a change of machine load hits
+them alike; each candidate's figure is the median over repeats of its tokens / seconds over the suite.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import rollback
+from .drafter import log_softmax
+from .plugins import hook
+from .stats import MTPStats
+
+PROMPT_SOURCES = ("textwrap.py", "shlex.py", "string.py", "fractions.py")  # standard library, on every machine
+PROMPT_CHARS = 1000
+
+
+def code_prompts(sources: tuple[str, ...] = PROMPT_SOURCES) -> list[str]:
+    """Code prompts: from each standard-library module, about PROMPT_CHARS characters of source ending with the
+    signature line of its third function definition (the model continues the function)."""
+    prompts = []
+    for name in sources:
+        text = (Path(sysconfig.get_paths()["stdlib"]) / name).read_text()
+        start = -1
+        for _ in range(3):
+            start = text.index("def ", start + 1)
+        end = text.index("\n", start) + 1
+        prompts.append(text[max(0, end - PROMPT_CHARS) : end])
+    return prompts
+
+
+@dataclass
+class Result:
+    """One candidate's measurements.
+
+    Attributes:
+        name: ``plain``, ``depth N`` or ``adaptive``.
+        tokens_per_second: median over repeats.
+        runs: tokens per second of each repeat.
+        stats: MTP counters summed over every run (None for plain decoding).
+    """
+
+    name: str
+    tokens_per_second: float
+    runs: list[float]
+    stats: MTPStats | None
+
+
+def _timed(stream) -> tuple[int, float]:
+    """(tokens after the first, seconds from the first token to the last) of one generation's token stream."""
+    next(stream)
+    start = time.perf_counter()
+    count = sum(1 for _ in stream)
+    return count, time.perf_counter() - start
+
+
+def runtime_decoder(model):
+    """``(decode, stats)`` for ``model`` in the installed runtime: ``decode(prompt, max_tokens, depth)`` streams
+    greedy tokens (``mtp_decode`` hook), ``stats()`` the counters of the last MTP generation."""
+    def decode(prompt, max_tokens, depth):
+        return hook().mtp_decode(model=model, prompt=prompt, max_tokens=max_tokens, depth=depth)
+
+    return decode, lambda: model.mtp_head.stats
+
+
+def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens: int,
+               repeats: int) -> dict[str, Result]:
+    """Measure each candidate, interleaved.
+
+    Args:
+        decode: ``decode(prompt, max_tokens, depth)`` → iterator of greedy token ids.
+        stats: ``stats()`` → ``MTPStats`` of the last MTP generation (or None).
+        prompts: token ids of each prompt.
+        depths: name → depth argument of ``decode`` (None: plain decoding, 0: adaptive, 1..8).
+        max_tokens: tokens generated per prompt.
+        repeats: repeats of the whole suite (≥ 1).
+
+    Returns:
+        name → Result, in the order of ``depths``.
+    """
+    for depth in depths.values():  # warm-up: first calls allocate and trace
+        _timed(decode(prompts[0], 8, depth))
+    runs: dict[str, list[float]] = {name: [] for name in depths}
+    totals: dict[str, MTPStats | None] = dict.fromkeys(depths)
+    for _ in range(repeats):
+        for name, depth in depths.items():
+            tokens = seconds = 0.0
+            for prompt in prompts:
+                n, s = _timed(decode(prompt, max_tokens, depth))
+                tokens, seconds = tokens + n, seconds + s
+                if depth is not None and stats() is not None:
+                    totals[name] = totals[name] or MTPStats(depth or None)
+                    totals[name].add(stats())
+            runs[name].append(tokens / seconds)
+    return {name: Result(name, statistics.median(runs[name]), runs[name], totals[name]) for name in depths}
+
+
+def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30) -> dict:
+    """Seconds of the loop's parts with a warm cache, each ending in one host sync, medians over ``repeats``.
+
+    Returns:
+        ``{"plain": t(1), "verify": {k: t_verify(k)}, "draft": {d: t_draft(d)}}``: a plain step (1-token
+        trunk pass, logits, log-softmax, argmax); a verify pass of k = 2..max_depth+1 tokens with rollback
+        capture, its logits and log-softmax; d = 1..max_depth draft steps of the head with its lm_head and
+        argmax. Seconds.
+    """
+    head = model.mtp_head.module
+    trunk = hook().mtp_trunk(model=model, contract=head.contract)
+    cache, head_cache = hook().mtp_new_caches(model=model)
+    ids = mx.array(prompt)
+    hidden = trunk.hidden(ids[None], cache)
+    head(hidden[:, :-1], trunk.embed(ids[None, 1:]), cache=head_cache)
+    mx.eval([c.state for c in cache], head_cache.state)
+    last_hidden, token = hidden[:, -1:], ids[-1:]
+
+    def plain():
+        h = trunk.hidden(token[None], cache)
+        mx.eval(mx.argmax(log_softmax(trunk.logits(h[0])), axis=-1))
+
+    def verify(k):
+        inputs = mx.concatenate([token] * k)
+        with rollback.capturing(k) as recorder:
+            h = trunk.hidden(inputs[None], cache)
+        mx.eval(mx.argmax(log_softmax(trunk.logits(h[0])), axis=-1))
+        recorder.commit(cache, 1)  # the cache grows by one token per measurement, as in decoding
+
+    def draft(d):
+        g, x = last_hidden, token
+        for _ in range(d):
+            g = head(g, trunk.embed(x[None]), cache=head_cache)
+            x = mx.argmax(trunk.logits(g)[0], axis=-1)
+        mx.eval(x)
+        head_cache.trim(d)
+
+    parts = {("plain", 1): plain}
+    parts.update({("verify", k): (lambda k=k: verify(k)) for k in range(2, max_depth + 2)})
+    parts.update({("draft", d): (lambda d=d: draft(d)) for d in range(1, max_depth + 1)})
+    seconds: dict = {part: [] for part in parts}
+    for _ in range(repeats):
+        for part, run in parts.items():
+            start = time.perf_counter()
+            run()
+            seconds[part].append(time.perf_counter() - start)
+    median = {part: statistics.median(s) for part, s in seconds.items()}
+    return {"plain": median[("plain", 1)],
+            "verify": {k: median[("verify", k)] for k in range(2, max_depth + 2)},
+            "draft": {d: median[("draft", d)] for d in range(1, max_depth + 1)}}

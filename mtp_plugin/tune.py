@@ -1,0 +1,64 @@
+"""``mtp-plugin tune``: measure plain decoding and draft depths 1..N on a code prompt suite, record the fastest.
+
+The recommended depth must beat plain decoding by ``MARGIN`` (tokens per second, medians of repeated
+runs); otherwise plain decoding is recommended (recorded as depth 0: the adaptive controller then
+starts parked). The record goes to the user cache (``tuning.py``) and, with ``write``, to config.json;
+``mlx_lm.generate`` with automatic depth starts its adaptive controller there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import measure, tuning
+from .checkpoint import CheckpointError
+from .plugins import hook
+
+MARGIN = 0.02  # a depth is recommended only if at least 2 % faster than plain decoding
+
+
+def summarise(results: dict[str, measure.Result]) -> list[dict]:
+    """Per candidate: name, tokens/s (median), speedup vs plain, tokens per cycle, acceptance by depth."""
+    plain = results["plain"].tokens_per_second
+    rows = []
+    for name, r in results.items():
+        rows.append({"name": name, "tokens_per_second": r.tokens_per_second, "speedup": r.tokens_per_second / plain,
+                     "runs": r.runs,
+                     "tokens_per_cycle": r.stats.tokens_per_cycle if r.stats else None,
+                     "acceptance_by_depth": r.stats.acceptance_by_depth if r.stats else None,
+                     "passes_per_token": r.stats.passes_per_token if r.stats else 1.0})
+    return rows
+
+
+def load(model_dir: Path):
+    """``(model, tokenizer)`` through the installed runtime, with a usable head.
+
+    Raises:
+        CheckpointError: no usable head.
+    """
+    model, tokenizer = hook().mtp_load_model(model_dir=model_dir)
+    if getattr(model, "mtp_head", None) is None:
+        raise CheckpointError(f"{model_dir}: no usable MTP head; run `mtp-plugin inspect {model_dir}`")
+    return model, tokenizer
+
+
+def tune(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int = 3, write: bool = False) -> dict:
+    """Measure and record the best depth for ``model_dir`` on this machine.
+
+    Returns:
+        ``{"candidates": [...summarise rows], "depth": recommended (0: plain), "cache": path, "written": bool}``.
+
+    Raises:
+        CheckpointError: no usable head.
+        ValueError: ``depths`` outside 1..8.
+    """
+    if not 1 <= depths <= 8:
+        raise ValueError(f"--depths must be 1..8, got {depths}")
+    model, tokenizer = load(model_dir)
+    prompts = [tokenizer.encode(p) for p in measure.code_prompts()]
+    candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}}
+    rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats))
+    best = max(rows[1:], key=lambda r: r["tokens_per_second"])
+    depth = candidates[best["name"]] if best["speedup"] >= 1 + MARGIN else 0
+    path = tuning.record(Path(model_dir), depth, {r["name"]: r["tokens_per_second"] for r in rows}, write)
+    return {"candidates": rows, "depth": depth, "cache": str(path), "written": write}

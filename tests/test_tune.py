@@ -1,0 +1,96 @@
+"""`mtp-plugin tune` and `bench` on the trained tiny checkpoint: what they record, where, what generate does with it.
+
+Speeds on a shared CPU are noise; these tests check the plumbing (records, keys, start depth, report
+fields, ratios computed from the measured parts), never a timing.
+"""
+
+import importlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+from mtp_plugin import tuning
+from mtp_plugin.bench import bench, efficiency, render
+from mtp_plugin.cli import main
+
+HF = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5" / "hf"
+QUICK = ["--depths", "2", "--max-tokens", "6", "--repeats", "1"]
+
+
+@pytest.fixture
+def model_dir(tmp_path, monkeypatch):
+    """A copy of the tiny checkpoint (tune --write edits config.json) and a private user cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return Path(shutil.copytree(HF, tmp_path / "model"))
+
+
+def test_tune_records_in_user_cache_and_config(model_dir, capsys):
+    assert main(["tune", str(model_dir), *QUICK, "--write"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines()[1:4]] == ["plain", "depth", "depth"]
+    assert "recommended:" in out
+    records = json.loads(tuning.cache_file().read_text())["records"]
+    (record,) = records.values()
+    assert record["model"] == str(model_dir.resolve()) and set(record["results"]) == {"plain", "depth 1", "depth 2"}
+    assert 0 <= record["depth"] <= 2
+    assert json.loads((model_dir / "config.json").read_text())[tuning.CONFIG_KEY] == record["depth"]
+    assert tuning.recorded_depth(model_dir) == record["depth"]  # --write kept the key
+    assert not [p for p in tuning.cache_file().parent.iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_key_follows_weights_and_cache_beats_config(model_dir):
+    tuning.record(model_dir, 3, {})
+    assert tuning.recorded_depth(model_dir) == 3
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, tuning.CONFIG_KEY: 1}))
+    assert tuning.recorded_depth(model_dir) == 3  # the user cache's record for this machine wins
+    weights = model_dir / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # new mtime: another model for the key
+    assert tuning.recorded_depth(model_dir) == 1  # falls back to config.json
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert tuning.recorded_depth(model_dir) is None
+
+
+@pytest.mark.parametrize("recorded", [0, 2])
+def test_automatic_depth_starts_at_recorded_depth(model_dir, recorded):
+    tuning.record(model_dir, recorded, {})
+    model, tokenizer = load(str(model_dir))
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    list(generate_step(mx.array(tokenizer.encode("def f(x):\n")), model, max_tokens=6))
+    stats = model.mtp_head.stats
+    if recorded == 0:  # tuning said plain: start parked
+        assert stats.cycles == 0 and stats.plain == 5
+    else:
+        assert stats.depths[0] == recorded
+
+
+def test_efficiency_from_measured_parts():
+    rows = [{"name": "plain", "speedup": 1.0}, {"name": "depth 2", "speedup": 1.5, "tokens_per_cycle": 2.4}]
+    efficiency(rows, {"plain": 0.010, "verify": {3: 0.012}, "draft": {2: 0.004}})
+    assert rows[1]["ideal"] == pytest.approx(2.4 / 1.6) and rows[1]["efficiency"] == pytest.approx(1.5 / 1.5)
+    assert "ideal" not in rows[0]
+
+
+def test_bench_report(model_dir):
+    report = bench(model_dir, depths=1, max_tokens=6, repeats=1, dtype="float32")
+    names = [r["name"] for r in report["candidates"]]
+    assert names == ["plain", "depth 1", "adaptive"]
+    depth1 = report["candidates"][1]
+    assert depth1["passes_per_token"] == pytest.approx(1 / depth1["tokens_per_cycle"])
+    assert depth1["efficiency"] == pytest.approx(depth1["speedup"] / depth1["ideal"])
+    assert set(report["costs"]["verify"]) == {2} and set(report["costs"]["draft"]) == {1}
+    assert len(report["references"]) == 1  # mlx-vlm is installed: its native MTP, or why not
+    text = render(report)
+    assert "t_verify(k)/t(1)" in text and "mlx-vlm" in text
+
+
+def test_bad_arguments(model_dir, capsys):
+    assert main(["bench", str(model_dir / "missing")]) == 2
+    assert main(["tune", str(model_dir), "--depths", "9"]) == 1
+    assert "--depths must be 1..8" in capsys.readouterr().err
