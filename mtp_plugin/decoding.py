@@ -52,7 +52,11 @@ class Trunk(Protocol):
         """Input embeddings (…, H) of integer ``tokens`` (…)."""
 
     def logits(self, hidden: mx.array) -> mx.array:
-        """Vocabulary logits (…, V) of trunk or head hidden states (…, H)."""
+        """Vocabulary logits (…, V) of head outputs (…, H) (the head applies its own final norm)."""
+
+    def trunk_logits(self, hidden: mx.array) -> mx.array:
+        """The trunk's own vocabulary logits (…, V) from hidden states (…, H) as ``hidden`` returned them
+        (a ``pre_norm`` contract applies the trunk's final norm first)."""
 
 
 @dataclass(frozen=True)
@@ -231,7 +235,7 @@ def generate(
         """Queue one plain step on ``token`` (1,): its hidden state (1, 1, H), log-probs (1, V), next token (1,)."""
         nonlocal history
         hidden = trunk.hidden(token[None], cache)
-        logprobs = logprobs_at(trunk.logits(hidden[0]), token, history)
+        logprobs = logprobs_at(trunk.trunk_logits(hidden[0]), token, history)
         if processors:
             history = mx.concatenate([history, token])
         following = pick(logprobs)
@@ -251,7 +255,7 @@ def generate(
     chunk = prompt[done:]
     hidden = trunk.hidden(chunk[None], cache)
     drafter.prefill(carry, hidden, chunk)
-    first = logprobs_at(trunk.logits(hidden[0, -1:]), chunk[-1:], history[:-1] if processors else None)
+    first = logprobs_at(trunk.trunk_logits(hidden[0, -1:]), chunk[-1:], history[:-1] if processors else None)
     token = pick(first)
     callback(total, total)
 
@@ -297,7 +301,7 @@ def generate(
             inputs = mx.concatenate([last, drafts])
             with rollback.capturing(inputs.size) as recorder:
                 hidden = trunk.hidden(inputs[None], cache)
-            logprobs = logprobs_at(trunk.logits(hidden[0]), inputs, history)
+            logprobs = logprobs_at(trunk.trunk_logits(hidden[0]), inputs, history)
             if sampling is None:
                 accepted_arr, tokens = accept_greedy(logprobs, drafts)
             else:

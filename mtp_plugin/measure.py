@@ -127,13 +127,13 @@ def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30)
 
     def plain():
         h = trunk.hidden(token[None], cache)
-        mx.eval(mx.argmax(log_softmax(trunk.logits(h[0])), axis=-1))
+        mx.eval(mx.argmax(log_softmax(trunk.trunk_logits(h[0])), axis=-1))
 
     def verify(k):
         inputs = mx.concatenate([token] * k)
         with rollback.capturing(k) as recorder:
             h = trunk.hidden(inputs[None], cache)
-        mx.eval(mx.argmax(log_softmax(trunk.logits(h[0])), axis=-1))
+        mx.eval(mx.argmax(log_softmax(trunk.trunk_logits(h[0])), axis=-1))
         recorder.commit(cache, 1)  # the cache grows by one token per measurement, as in decoding
 
     def draft(d):

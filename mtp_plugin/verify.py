@@ -59,7 +59,7 @@ def sweep(model, tokens: mx.array) -> list[Candidate]:
     trunks = {h: hook().mtp_trunk(model=model, contract=Contract(hidden=h)) for h in ("post_norm", "pre_norm")}
     inputs = tokens[None]
     hidden = {h: t.hidden(inputs, None) for h, t in trunks.items()}
-    target = mx.argmax(trunks["post_norm"].logits(hidden["post_norm"]), axis=-1)[0, 1:]
+    target = mx.argmax(trunks["post_norm"].trunk_logits(hidden["post_norm"]), axis=-1)[0, 1:]
     embeddings = trunks["post_norm"].embed(inputs[:, 1:])
     results = []
     try:

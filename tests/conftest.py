@@ -1,9 +1,15 @@
 """The plugin is patched into the real runtimes before any test module imports them (as the
 post-import hook does for users), and every test starts and ends patched."""
 
+import os
+import tempfile
+
 import pytest
 
 import mtp_plugin
+
+# Tuning records in the user's cache would change the automatic depth: tests (and their subprocesses) use their own.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="mtp-plugin-tests-cache-")
 
 mtp_plugin.patch()
 

@@ -23,8 +23,8 @@ PROMPT = "def read_config(path):\n    \"\"\"Read a JSON configuration file.\"\"\
 MAX_TOKENS = 24
 DISABLE = "MTP_PLUGIN_DISABLE"
 PATCH_FAILED = "mtp_plugin: patching mlx_lm failed; runtimes left stock."
-MTP_LINE = re.compile(r"^MTP: depth=(\d+) drafted=(\d+) accepted=(\d+) acceptance=([0-9.]+) tokens/cycle=([0-9.]+)$",
-                      re.M)
+MTP_LINE = re.compile(r"^MTP: depth=(\d+|auto) drafted=(\d+) accepted=(\d+) acceptance=([0-9.]+) "
+                      r"tokens/cycle=([0-9.]+)(?: cycles=\S+ plain=\d+)?$", re.M)
 TEXT = re.compile(r"^==========\n(.*?)\n==========$", re.M | re.S)
 FIGURES = re.compile(r"[0-9.]+ (tokens-per-sec|GB)")
 

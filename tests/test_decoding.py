@@ -5,6 +5,7 @@ draft (every cycle exercises rollback); the trained tiny checkpoint (test_tiny_c
 exercises acceptance at every depth.
 """
 
+import dataclasses
 import importlib
 
 import mlx.core as mx
@@ -49,6 +50,18 @@ def test_greedy_identical_to_plain(model, prompt, depth):
     assert mtp == plain
     stats = model.mtp_head.stats
     assert stats.cycles > 0 and stats.emitted == len(mtp) - 1
+
+
+def test_greedy_identical_with_pre_norm_contract(model):
+    """A head wired to the trunk's pre-norm hidden states still verifies with the trunk's own (normed) logits."""
+    head = model.mtp_head.module
+    post_norm = head.contract
+    head.contract = dataclasses.replace(post_norm, hidden="pre_norm")
+    try:
+        mtp = tokens(model, PROMPTS["short"], mtp_depth=2, max_tokens=24)
+    finally:
+        head.contract = post_norm
+    assert mtp == tokens(model, PROMPTS["short"], enable_mtp=False, max_tokens=24)
 
 
 def test_logits_processors_applied_per_position(model):

@@ -9,7 +9,7 @@ import sys
 import pytest
 from console_runs import DISABLE, HF, MAX_TOKENS, MLX4, PROMPT, Generation, console, generate_args, run
 
-from mtp_plugin.decoding import DEFAULT_DEPTH
+from mtp_plugin.decoding import MAX_DEPTH
 
 API = """
 import sys
@@ -27,16 +27,17 @@ print(json.dumps({"heavy": heavy, "pth": pth, "loaded": "mtp_plugin.adapters.aut
 """
 
 
-def assert_decodes_with_mtp(generation: Generation, model=MLX4, depth: int = DEFAULT_DEPTH) -> None:
-    """The "MTP on" stderr line (head, file, depth) and the MTP summary line at ``depth``, with accepted drafts."""
+def assert_decodes_with_mtp(generation: Generation, model=MLX4, depth: int | None = None) -> None:
+    """The "MTP on" stderr line (head, file, depth) and the MTP summary line at ``depth`` (None: the
+    automatic, adaptive depth), with accepted drafts."""
     assert generation.announced is not None, generation.stderr[-2000:]
     assert generation.announced.startswith(f"MTP on: head from {HEAD_FILE[model]} "), generation.announced
-    assert generation.announced.endswith(f", depth {depth}"), generation.announced
+    assert generation.announced.endswith(f", depth {depth or 'adaptive'}"), generation.announced
     assert generation.mtp is not None, generation.stdout[-2000:]
     found_depth, drafted, accepted, acceptance, tokens_per_cycle = generation.mtp.groups()
-    assert int(found_depth) == depth
+    assert found_depth == str(depth or "auto")
     assert int(drafted) > 0 and int(accepted) > 0 and float(acceptance) > 0
-    assert 1 < float(tokens_per_cycle) <= depth + 1
+    assert 1 < float(tokens_per_cycle) <= (depth or MAX_DEPTH) + 1
 
 
 @pytest.mark.parametrize("model", [MLX4, HF], ids=["mlx-4bit", "hf"])

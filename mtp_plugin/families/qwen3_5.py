@@ -197,6 +197,10 @@ class QwenTrunk:
             return self.text_model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
+    def trunk_logits(self, hidden):
+        """(…, V) trunk logits of ``hidden`` output: the final norm first when it was bypassed (``pre_norm``)."""
+        return self.logits(self.text_model.norm(hidden) if self.pre_norm else hidden)
+
 
 def _handled(model) -> bool:
     loaded = getattr(model, "mtp_head", None)
