@@ -10,6 +10,7 @@ where the cache owns the recurrent state).
 from __future__ import annotations
 
 import functools
+import importlib
 
 import mlx.core as mx
 
@@ -70,3 +71,29 @@ def capture_states(update):
         return mx.concatenate(outs, axis=1), state
 
     return wrapper
+
+
+def install(patches, modules: dict[str, tuple[str, str]]) -> set[str]:
+    """Wire the capture points into a runtime's GatedDeltaNet layers.
+
+    Args:
+        patches: the adapter's ``Patches`` (so that unpatching removes them).
+        modules: ``{model_type: (module name, layer class name)}``; the module must define the layer class
+            and ``gated_delta_update``.
+
+    Returns:
+        The model types whose layers were wired (a missing module or class is skipped: stock decoding).
+    """
+    wired = set()
+    for model_type, (name, layer_class) in modules.items():
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        layer = getattr(module, layer_class, None)
+        if layer is None or not hasattr(module, "gated_delta_update"):
+            continue
+        patches.wrap(layer, "__call__", capture_conv_window)
+        patches.wrap(module, "gated_delta_update", capture_states)
+        wired.add(model_type)
+    return wired

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mtp_plugin.hookspecs import hookimpl
 
-from .capture import capture_conv_window, capture_states
+from . import capture
 from .mlx_lm_decoding import (
     CAPTURE_POINTS,
     add_cli_flags,
@@ -73,15 +73,7 @@ def _patch_decoding():
     import mlx_lm.sample_utils
 
     generate_module = importlib.import_module("mlx_lm.generate")  # ``mlx_lm.generate`` is also a function
-    captured = set()
-    for model_type, layer_class in CAPTURE_POINTS.items():
-        module = importlib.import_module(f"mlx_lm.models.{model_type}")
-        layer = getattr(module, layer_class, None)
-        if layer is None or not hasattr(module, "gated_delta_update"):
-            continue
-        _patches.wrap(layer, "__call__", capture_conv_window)
-        _patches.wrap(module, "gated_delta_update", capture_states)
-        captured.add(model_type)
+    captured = capture.install(_patches, {t: (f"mlx_lm.models.{t}", c) for t, c in CAPTURE_POINTS.items()})
     for module in (mlx_lm.sample_utils, generate_module):
         _patches.wrap(module, "make_sampler", describe_samplers)
     _patches.wrap(generate_module, "generate_step", functools.partial(mtp_generate_step, captured=captured))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mtp_plugin.hookspecs import hookimpl
 
-from .capture import capture_conv_window, capture_states
+from . import capture
 from .mlx_vlm_decoding import CAPTURE_POINTS, mtp_generate_step, print_summary
 from .patching import Patches, version_in_range, wrap_sanitizers
 
@@ -57,18 +57,8 @@ def mtp_patch_runtime(runtime):
 def _patch_decoding():
     import mlx_vlm
 
-    captured = set()
-    for model_type, layer_class in CAPTURE_POINTS.items():
-        try:
-            module = importlib.import_module(f"mlx_vlm.models.{model_type}.language")
-        except ImportError:
-            continue
-        layer = getattr(module, layer_class, None)
-        if layer is None or not hasattr(module, "gated_delta_update"):
-            continue
-        _patches.wrap(layer, "__call__", capture_conv_window)
-        _patches.wrap(module, "gated_delta_update", capture_states)
-        captured.add(model_type)
+    captured = capture.install(_patches,
+                               {t: (f"mlx_vlm.models.{t}.language", c) for t, c in CAPTURE_POINTS.items()})
     package = importlib.import_module("mlx_vlm.generate")  # ``mlx_vlm.generate`` is also a function
     ar = importlib.import_module("mlx_vlm.generate.ar")
     dispatch = importlib.import_module("mlx_vlm.generate.dispatch")

@@ -114,3 +114,25 @@ def trunk_weights(model: nn.Module) -> dict[str, mx.array]:
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     return weights
+
+
+def cache_arrays(cache: list) -> list:
+    """Every array a trunk cache holds (KV caches up to their offset; GatedDeltaNet conv and recurrent states),
+    as numpy arrays, to compare caches left by two decoding runs."""
+    import numpy as np
+
+    out = []
+    for c in cache:
+        if hasattr(c, "offset"):
+            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+        else:
+            out += list(c.cache)
+    return [np.array(a) for a in out]
+
+
+def to_float32(model: nn.Module) -> nn.Module:
+    """Cast ``model``'s parameters and its loaded head's to float32 in place (exact greedy comparisons)."""
+    model.update(tree_map(lambda a: a.astype(mx.float32), model.parameters()))
+    head = model.mtp_head.module
+    head.update(tree_map(lambda a: a.astype(mx.float32), head.parameters()))
+    return model

@@ -11,8 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
-from mlx.utils import tree_map
+from builders import build_head, build_model, cache_arrays, config_for, save_checkpoint, to_float32, trunk_weights
 from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
@@ -67,9 +66,7 @@ def random_model(tmp_path_factory):
 def tiny():
     """The trained tiny checkpoint in float32 (its head accepts about half the drafts)."""
     model, tokenizer = load(str(HF))
-    model.update(tree_map(lambda a: a.astype(mx.float32), model.parameters()))
-    head = model.mtp_head.module
-    head.update(tree_map(lambda a: a.astype(mx.float32), head.parameters()))
+    to_float32(model)
     return model, tokenizer.encode(CODE)
 
 
@@ -106,16 +103,6 @@ def test_logits_processors_with_parking(random_model):
     kwargs = dict(max_tokens=24, logits_processors=make_logits_processors(repetition_penalty=1.5))
     plain = tokens(random_model, [3, 17, 42, 99], enable_mtp=False, **kwargs)
     assert tokens(random_model, [3, 17, 42, 99], mtp_depth=Schedule(SCHEDULES["mixed"]), **kwargs) == plain
-
-
-def cache_arrays(cache):
-    out = []
-    for c in cache:
-        if hasattr(c, "offset"):
-            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
-        else:
-            out += list(c.cache)
-    return [np.array(a) for a in out]
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1, 2, 3, 5, 9])

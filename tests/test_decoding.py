@@ -11,7 +11,7 @@ import importlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders import KINDS, build_head, build_model, config_for, save_checkpoint, trunk_weights
+from builders import KINDS, build_head, build_model, cache_arrays, config_for, save_checkpoint, trunk_weights
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
@@ -68,16 +68,6 @@ def test_logits_processors_applied_per_position(model):
     kwargs = dict(max_tokens=24, logits_processors=make_logits_processors(repetition_penalty=1.5))
     plain = tokens(model, PROMPTS["short"], enable_mtp=False, **kwargs)
     assert tokens(model, PROMPTS["short"], mtp_depth=3, **kwargs) == plain
-
-
-def cache_arrays(cache):
-    out = []
-    for c in cache:
-        if hasattr(c, "offset"):
-            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
-        else:
-            out += list(c.cache)
-    return [np.array(a) for a in out]
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1, 2, 5, 13])

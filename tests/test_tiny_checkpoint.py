@@ -9,7 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_map
+from builders import to_float32
 from mlx_lm import load
 
 from mtp_plugin.report import inspect_dir
@@ -50,9 +50,7 @@ def test_sidecar_leaves_trunk_logits_untouched(tmp_path):
 @pytest.fixture(scope="module")
 def float32_model():
     model, tokenizer = load(str(HF))
-    model.update(tree_map(lambda a: a.astype(mx.float32), model.parameters()))
-    head = model.mtp_head.module
-    head.update(tree_map(lambda a: a.astype(mx.float32), head.parameters()))
+    to_float32(model)
     return model, tokenizer
 
 
