@@ -20,11 +20,10 @@ import logging
 import sys
 import weakref
 
-from mtp_plugin.controller import DepthController
-from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH, Sampling
+from mtp_plugin.decoding import MAX_DEPTH, Sampling
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
-from mtp_plugin.tuning import start_depth
+from mtp_plugin.tuning import depth_policy
 
 from .patching import release
 
@@ -96,7 +95,7 @@ def decoding_options(model, loaded, depth, kwargs) -> dict | None:
     return {
         "cache": make_prompt_cache(model) if cache is None else cache,
         "head_cache": KVCache(),
-        "depth": depth or DepthController(start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)),
+        "depth": depth_policy(depth, loaded.location.model_dir),
         "max_tokens": kwargs.get("max_tokens", 256),
         "sampling": None if sampler is None else SAMPLINGS[sampler],
         "logits_processors": kwargs.get("logits_processors"),
@@ -161,8 +160,9 @@ def add_cli_flags(setup_arg_parser):
     @functools.wraps(setup_arg_parser)
     def wrapper(*args, **kwargs):
         parser = setup_arg_parser(*args, **kwargs)
-        parser.add_argument("--mtp-depth", dest="depth", type=int, default=0, action=_SetCLI,
-                            help="MTP draft depth 1-8 (0: automatic). Needs a checkpoint with an MTP head.")
+        parser.add_argument("--mtp-depth", dest="depth", type=int, default=0, action=_SetCLI, metavar="N",
+                            choices=range(MAX_DEPTH + 1),
+                            help=f"MTP draft depth 1-{MAX_DEPTH} (0: adaptive). Needs a checkpoint with an MTP head.")
         parser.add_argument("--no-mtp", dest="enabled", action=_SetCLI, nargs=0, const=False, default=True,
                             help="Decode without the MTP head even if the checkpoint has one.")
         return parser

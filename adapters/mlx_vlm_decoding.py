@@ -23,9 +23,9 @@ import logging
 
 import mlx.core as mx
 
-from mtp_plugin.decoding import DEFAULT_DEPTH
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
+from mtp_plugin.tuning import depth_policy
 
 from .mlx_lm_decoding import MTPUnsupported, announce
 from .patching import release
@@ -114,7 +114,7 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict 
         ar: the module defining mlx-vlm's ``generate_step`` (its sampling and processor helpers).
         model: the mlx-vlm model.
         loaded: its ``LoadedHead``; ``loaded.stats`` is set to fresh counters when MTP decodes.
-        depth: draft depth 1-8, None for the default.
+        depth: draft depth 1-8 or a depth policy; 0 or None: adaptive (``tuning.depth_policy``).
         args: ``generate_step``'s named arguments, defaults applied.
         extra: its other keywords (those it passes on to the model), None values dropped.
 
@@ -136,12 +136,12 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict 
     prompt_size = args["input_ids"].size
     step = args.get("prefill_step_size")
     chunked = step is not None and (prompt_size > 1 if CHUNKS_EVERY_PROMPT else prompt_size > step)
-    loaded.stats = MTPStats(depth or DEFAULT_DEPTH)
+    loaded.stats = MTPStats(depth if isinstance(depth, int) and depth else None)
     cache = args.get("prompt_cache")
     return {
         "cache": make_prompt_cache(model.language_model) if cache is None else cache,
         "head_cache": KVCache(),
-        "depth": loaded.stats.depth,
+        "depth": depth_policy(depth, loaded.location.model_dir),
         "max_tokens": args["max_tokens"],
         "logits_processors": _processors(ar, args),
         "prefill_step_size": step or prompt_size,
@@ -154,7 +154,7 @@ def mtp_generate_step(generate_step, ar, captured: set[str]):
     """Wrap mlx-vlm's ``generate_step(input_ids, model, pixel_values, mask, **kwargs)``: MTP for a text
     prompt to a model with a loaded head whose runtime layers have capture points.
 
-    Added keywords: ``enable_mtp`` (False: stock decoding) and ``mtp_depth`` (draft depth 1-8; None: default).
+    Added keywords: ``enable_mtp`` (False: stock decoding) and ``mtp_depth`` (draft depth 1-8; None: adaptive).
     """
     signature = inspect.signature(generate_step)
     var_keyword = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
@@ -175,7 +175,7 @@ def mtp_generate_step(generate_step, ar, captured: set[str]):
                 generator = hook().mtp_generate_step(prompt=input_ids[0], model=model, options=options)
                 if generator is not None:
                     if named.get("verbose"):
-                        announce(loaded, options["depth"])
+                        announce(loaded, loaded.stats.depth)
                     return generator
             loaded.stats = None
         return generate_step(input_ids, model, pixel_values, mask, **kwargs)

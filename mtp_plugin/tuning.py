@@ -142,3 +142,14 @@ def start_depth(model_dir: Path, default: int, max_depth: int) -> int:
     """The adaptive controller's starting depth: the recorded one if valid (0..max_depth), else ``default``."""
     depth = recorded_depth(model_dir)
     return depth if depth is not None and 0 <= depth <= max_depth else default
+
+
+def depth_policy(depth, model_dir: Path):
+    """The loop's ``depth`` option for a requested depth: a fixed depth 1..8 or a policy object as given;
+    0 or None (automatic): an adaptive ``DepthController`` starting at the tuned depth, else at the default."""
+    if depth:
+        return depth
+    from .controller import DepthController
+    from .decoding import DEFAULT_DEPTH, MAX_DEPTH
+
+    return DepthController(start_depth(model_dir, DEFAULT_DEPTH, MAX_DEPTH))

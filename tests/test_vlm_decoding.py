@@ -199,7 +199,7 @@ def test_trained_checkpoint_generate(trained, capsys):
     capsys.readouterr()
     generate(model, processor, TRAINED_PROMPT, max_tokens=12, temperature=0.0, verbose=True)
     out = capsys.readouterr()
-    assert "MTP on: head from" in out.err and "\nMTP: depth=2 drafted=" in out.out
+    assert "MTP on: head from" in out.err and "\nMTP: depth=auto drafted=" in out.out
 
 
 @pytest.mark.skipif(release("mlx-vlm") < (0, 7),
@@ -213,6 +213,6 @@ def test_cli_decodes_with_mtp():
                            env={**os.environ, "MTP_PLUGIN_DISABLE": disable}) for disable in ("0", "1")]
     mtp, stock = runs
     assert "MTP on: head from mtp.safetensors" in mtp.stderr and "MTP" not in stock.stderr + stock.stdout
-    summary = next(line for line in mtp.stdout.splitlines() if line.startswith("MTP: depth=2"))
+    summary = next(line for line in mtp.stdout.splitlines() if line.startswith("MTP: depth=auto"))
     assert float(summary.split("acceptance=")[1].split()[0]) > 0
     assert mtp.stdout.split("==========")[1] == stock.stdout.split("==========")[1]  # prompt and generated text
