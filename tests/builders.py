@@ -136,3 +136,23 @@ def to_float32(model: nn.Module) -> nn.Module:
     head = model.mtp_head.module
     head.update(tree_map(lambda a: a.astype(mx.float32), head.parameters()))
     return model
+
+
+def caches_after_close(model: nn.Module, prompt: list[int], stop: int, **mtp_options) -> tuple[list, list]:
+    """``(plain, mtp)``: the arrays of the trunk cache left by plain decoding and by MTP decoding
+    (``mtp_options``: ``generate_step`` keywords such as ``mtp_depth``) when each generator is closed
+    after ``stop`` tokens."""
+    import importlib
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step  # as patched now
+    caches = []
+    for options in ({"enable_mtp": False}, {"enable_mtp": True, **mtp_options}):
+        cache = make_prompt_cache(model)
+        generator = generate_step(mx.array(prompt), model, prompt_cache=cache, **options)
+        for _ in range(stop):
+            next(generator)
+        generator.close()
+        caches.append(cache_arrays(cache))
+    return caches[0], caches[1]

@@ -11,7 +11,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders import build_head, build_model, cache_arrays, config_for, save_checkpoint, to_float32, trunk_weights
+from builders import (
+    build_head,
+    build_model,
+    cache_arrays,
+    caches_after_close,
+    config_for,
+    save_checkpoint,
+    to_float32,
+    trunk_weights,
+)
 from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
@@ -120,16 +129,9 @@ def test_cache_after_generation_equals_plain(random_model, max_tokens, schedule)
 
 @pytest.mark.parametrize("stop", [1, 2, 4, 6])
 def test_generator_closed_while_parked_leaves_plain_cache(random_model, stop):
-    caches = []
-    for depth in (None, Schedule(SCHEDULES["parked-first"])):
-        cache = make_prompt_cache(random_model)
-        generator = generate_step(mx.array([3, 17, 42, 99, 7]), random_model, prompt_cache=cache,
-                                  enable_mtp=depth is not None, mtp_depth=depth)
-        for _ in range(stop):
-            next(generator)
-        generator.close()
-        caches.append(cache_arrays(cache))
-    for plain, mtp in zip(*caches, strict=True):
+    plain_cache, mtp_cache = caches_after_close(random_model, [3, 17, 42, 99, 7], stop,
+                                                mtp_depth=Schedule(SCHEDULES["parked-first"]))
+    for plain, mtp in zip(plain_cache, mtp_cache, strict=True):
         np.testing.assert_allclose(mtp, plain, rtol=1e-5, atol=1e-5)
 
 

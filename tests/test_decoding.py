@@ -11,7 +11,16 @@ import importlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders import KINDS, build_head, build_model, cache_arrays, config_for, save_checkpoint, trunk_weights
+from builders import (
+    KINDS,
+    build_head,
+    build_model,
+    cache_arrays,
+    caches_after_close,
+    config_for,
+    save_checkpoint,
+    trunk_weights,
+)
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
@@ -83,16 +92,8 @@ def test_cache_after_generation_equals_plain(model, max_tokens):
 
 
 def test_generator_closed_early_leaves_plain_cache(model):
-    caches = []
-    for enable in (False, True):
-        cache = make_prompt_cache(model)
-        generator = generate_step(mx.array(PROMPTS["short"]), model, prompt_cache=cache, enable_mtp=enable,
-                                  mtp_depth=3)
-        for _ in range(4):
-            next(generator)
-        generator.close()
-        caches.append(cache_arrays(cache))
-    for plain, mtp in zip(*caches, strict=True):
+    plain_cache, mtp_cache = caches_after_close(model, PROMPTS["short"], 4, mtp_depth=3)
+    for plain, mtp in zip(plain_cache, mtp_cache, strict=True):
         np.testing.assert_allclose(mtp, plain, rtol=1e-5, atol=1e-5)
 
 
