@@ -95,7 +95,7 @@ def decoding_options(model, loaded, depth, kwargs) -> dict | None:
     return {
         "cache": make_prompt_cache(model) if cache is None else cache,
         "head_cache": KVCache(),
-        "depth": depth_policy(depth, loaded.location.model_dir),
+        "depth": depth_policy(depth, loaded),
         "max_tokens": kwargs.get("max_tokens", 256),
         "sampling": None if sampler is None else SAMPLINGS[sampler],
         "logits_processors": kwargs.get("logits_processors"),

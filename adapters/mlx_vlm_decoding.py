@@ -141,7 +141,7 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict 
     return {
         "cache": make_prompt_cache(model.language_model) if cache is None else cache,
         "head_cache": KVCache(),
-        "depth": depth_policy(depth, loaded.location.model_dir),
+        "depth": depth_policy(depth, loaded),
         "max_tokens": args["max_tokens"],
         "logits_processors": _processors(ar, args),
         "prefill_step_size": step or prompt_size,

@@ -26,7 +26,8 @@ is twice as long (up to ``max_park``). While drafting, t(1) is re-measured every
 over ``plain_probe`` plain tokens, as long as plain decoding is still in contention.
 
 Pure logic: no mlx, no clock. The decoding loop asks ``next_depth()`` once per cycle and reports each
-cycle with ``observe``; the question may run one cycle ahead of the reports (pipelined plain steps).
+cycle with ``observe``; the question may run one cycle ahead of the reports (the loop queues each
+cycle before it reads the previous one).
 """
 
 from __future__ import annotations

@@ -15,11 +15,14 @@ filters, so the output distribution is exactly the trunk's.
 
 Depth: fixed, or chosen per cycle by a policy (``controller.DepthController``: adaptive depth, which
 may also "park" on plain decoding steps when no depth is predicted to beat plain decoding). The policy
-is fed each cycle's accepted count and its cost: the seconds spent in this loop (draft, verify, the
-cycle's host sync and bookkeeping; the consumer's time between yields excluded).
+is fed each cycle's accepted count and its cost: the seconds spent in this loop queueing it (draft,
+verify), waiting for it and on its bookkeeping (the consumer's time between yields excluded).
 
 Host synchronisation: one per cycle (the accepted count and the block of tokens), where plain
-decoding syncs once per token; plain steps sync once per token, pipelined as mlx-lm does.
+decoding syncs once per token. Like mlx-lm's plain loop, each block's successor is queued before the
+block is yielded, so the consumer's time overlaps the next pass; after a plain step (or the prompt pass)
+the successor, plain step or cycle, is built on the lazy token before it is read. A cycle's successor
+depends on its accepted count, so it is built after that count is read.
 """
 
 from __future__ import annotations
@@ -128,7 +131,8 @@ class DepthPolicy(Protocol):
     """Chooses each cycle's draft depth (``controller.DepthController``, ``controller.FixedDepth``).
 
     The loop asks once per cycle and reports every cycle it ran, both in order; the question for a cycle
-    may come before the previous cycle is reported (plain steps are queued one ahead).
+    may come before the previous cycle is reported (each block's successor is queued before the block
+    is read).
     """
 
     def next_depth(self) -> int:
@@ -155,6 +159,89 @@ class _Stopwatch:
         now = time.perf_counter()
         busy, self.busy, self.mark = self.busy + now - self.mark, 0.0, now
         return busy
+
+
+@dataclass
+class _Cycle:
+    """One queued cycle: its drafts, verify pass and acceptance (read once computed)."""
+
+    depth: int
+    inputs: mx.array  # (d+1,): the newest token, then the drafts
+    hidden: mx.array  # (1, d+1, H) trunk hidden states of ``inputs``
+    logprobs: mx.array  # (d+1, V)
+    accepted: mx.array  # scalar
+    tokens: mx.array  # (d+1,): the first accepted+1 are emitted
+    recorder: rollback.Recorder
+
+
+class _Loop:
+    """The state one generation's cycles change, and the steps that change it.
+
+    ``last`` is the newest token (1,), not yet fed to the trunk; ``history`` the tokens the logits
+    processors have seen (None without processors).
+    """
+
+    def __init__(self, trunk, cache, drafter, sampling, processors, history):
+        self.trunk, self.cache, self.drafter = trunk, cache, drafter
+        self.sampling, self.processors = sampling, processors
+        self.last, self.history = None, history
+
+    def logprobs_at(self, logits: mx.array, inputs: mx.array, past: mx.array | None) -> mx.array:
+        """Log-probs (S, V) after the processors, position i seeing ``past`` + ``inputs[:i+1]``."""
+        if self.processors:
+            rows = []
+            for i in range(inputs.size):
+                seen = mx.concatenate([past, inputs[: i + 1]]) if past is not None else inputs[: i + 1]
+                row = logits[i : i + 1]
+                for processor in self.processors:
+                    row = processor(seen, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        return _log_softmax(logits)
+
+    def pick(self, logprobs: mx.array) -> mx.array:
+        """The next token (…,): argmax, or a sample of the sampling distribution."""
+        return mx.argmax(logprobs, axis=-1) if self.sampling is None else _categorical(self.sampling.probs(logprobs))
+
+    def plain_step(self) -> tuple[mx.array, mx.array, mx.array]:
+        """Queue one plain step on ``last``: its hidden state (1, 1, H), log-probs (1, V), next token (1,)."""
+        hidden = self.trunk.hidden(self.last[None], self.cache)
+        logprobs = self.logprobs_at(self.trunk.trunk_logits(hidden[0]), self.last, self.history)
+        if self.processors:
+            self.history = mx.concatenate([self.history, self.last])
+        following = self.pick(logprobs)
+        mx.async_eval(following, logprobs)
+        return hidden, logprobs, following
+
+    def take_plain(self, step) -> None:
+        """A plain step's token becomes ``last``; its pair is kept for the head."""
+        hidden, _, following = step
+        self.drafter.keep(hidden, following)
+        self.last = following
+
+    def launch(self, depth: int) -> _Cycle:
+        """Queue a cycle at ``depth``: draft, verify ``[last, drafts…]`` in one trunk pass, accept."""
+        drafts, q = self.drafter.draft(depth)
+        mx.async_eval(drafts)  # the head runs while the verify pass is built
+        inputs = mx.concatenate([self.last, drafts])
+        with rollback.capturing(inputs.size) as recorder:
+            hidden = self.trunk.hidden(inputs[None], self.cache)
+        logprobs = self.logprobs_at(self.trunk.trunk_logits(hidden[0]), inputs, self.history)
+        if self.sampling is None:
+            accepted, tokens = accept_greedy(logprobs, drafts)
+        else:
+            accepted, tokens = accept_sampled(self.sampling.probs(logprobs), q, drafts)
+        mx.async_eval(accepted, tokens)
+        return _Cycle(depth, inputs, hidden, logprobs, accepted, tokens, recorder)
+
+    def commit(self, cycle: _Cycle, accepted: int) -> None:
+        """Keep the verified prefix: caches rolled back to ``inputs[:accepted+1]``, the head given the
+        accepted pairs, ``last`` the cycle's correction or bonus token."""
+        cycle.recorder.commit(self.cache, accepted + 1)
+        self.drafter.accept(cycle.depth, cycle.hidden[:, : accepted + 1], cycle.tokens[: accepted + 1])
+        if self.processors:
+            self.history = mx.concatenate([self.history, cycle.inputs[: accepted + 1]])
+        self.last = cycle.tokens[accepted : accepted + 1]
 
 
 def generate(
@@ -214,35 +301,9 @@ def generate(
     processors = list(logits_processors or [])
     callback = prompt_progress_callback or (lambda *_: None)
     history = (prompt if prefill_history else prompt[-1:]) if processors else None
-
-    def logprobs_at(logits: mx.array, inputs: mx.array, past: mx.array | None) -> mx.array:
-        """Log-probs (S, V) after the processors, position i seeing ``past`` + ``inputs[:i+1]``."""
-        if processors:
-            rows = []
-            for i in range(inputs.size):
-                seen = mx.concatenate([past, inputs[: i + 1]]) if past is not None else inputs[: i + 1]
-                row = logits[i : i + 1]
-                for processor in processors:
-                    row = processor(seen, row)
-                rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
-        return _log_softmax(logits)
-
-    def pick(logprobs: mx.array) -> mx.array:
-        return mx.argmax(logprobs, axis=-1) if sampling is None else _categorical(sampling.probs(logprobs))
-
-    def plain_step(token: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Queue one plain step on ``token`` (1,): its hidden state (1, 1, H), log-probs (1, V), next token (1,)."""
-        nonlocal history
-        hidden = trunk.hidden(token[None], cache)
-        logprobs = logprobs_at(trunk.trunk_logits(hidden[0]), token, history)
-        if processors:
-            history = mx.concatenate([history, token])
-        following = pick(logprobs)
-        mx.async_eval(following, logprobs)
-        return hidden, logprobs, following
-
     drafter = Drafter(head, trunk, head_cache, sampling)
+    loop = _Loop(trunk, cache, drafter, sampling, processors, history)
+
     # Prefill exactly as plain decoding chunks it: all but the last prompt token, then the last.
     total, done, carry = prompt.size, 0, None
     callback(0, total)
@@ -255,24 +316,39 @@ def generate(
     chunk = prompt[done:]
     hidden = trunk.hidden(chunk[None], cache)
     drafter.prefill(carry, hidden, chunk)
-    first = logprobs_at(trunk.trunk_logits(hidden[0, -1:]), chunk[-1:], history[:-1] if processors else None)
-    token = pick(first)
+    first = loop.logprobs_at(trunk.trunk_logits(hidden[0, -1:]), chunk[-1:], history[:-1] if processors else None)
+    loop.last = loop.pick(first)
     callback(total, total)
+    drafter.keep(hidden[:, -1:], loop.last)
 
-    drafter.keep(hidden[:, -1:], token)
-    last = token  # (1,): the newest token, not yet fed to the trunk
-    block_logprobs, kind, queued, upcoming = first, "first", None, None  # kind: what produced the next block
-    d, accepted, recorder, emitted, n = PLAIN, 0, None, 0, 0
+    n = emitted = accepted = 0
+
+    def ask(block: int) -> int | None:
+        """Depth of the cycle after a block of at least ``block`` tokens; None if that block ends generation."""
+        if max_tokens >= 0 and n + block >= max_tokens:
+            return None
+        d = policy.next_depth()
+        if not 0 <= d <= MAX_DEPTH:
+            raise ValueError(f"depth policy chose depth {d}; it must be 0..{MAX_DEPTH}")
+        return d
+
+    def queue(d: int | None):
+        """What produces the next block, queued now: ``("plain", step)``, ``("cycle", started cycle)`` or None;
+        and the seconds queueing took (part of that block's cost, not of the block being read)."""
+        start = time.perf_counter()
+        if d is None:
+            return None, 0.0
+        queued = ("plain", loop.plain_step()) if d == PLAIN else ("cycle", loop.launch(d))
+        return queued, time.perf_counter() - start
+
+    # Each block's successor is queued before the block is yielded (and, after a plain step or the prompt
+    # pass, before its token is read), as mlx-lm queues step t+1 before reading token t.
+    kind, cycle, block_logprobs = "first", None, first
+    following, launch = queue(ask(1))
+    block = loop.last.tolist()
     clock = _Stopwatch()
     try:
         while True:
-            if kind != "cycle":  # one token, ``last``, still being computed
-                upcoming = policy.next_depth() if n != max_tokens else None
-                if upcoming == PLAIN:
-                    queued = plain_step(last)  # pipelined as in mlx-lm: queued before ``last`` is read
-                block = last.tolist()
-                if kind == "plain":
-                    policy.observe(PLAIN, 0, clock.lap())
             for tok in block:
                 if n == max_tokens:
                     return
@@ -283,55 +359,52 @@ def generate(
                 if n == max_tokens:
                     return
             if kind == "cycle":
-                stats.record(accepted, len(block), d)
+                stats.record(accepted, len(block), cycle.depth)
             elif kind == "plain":
                 stats.plain += 1
             emitted = 0
-            d, upcoming = policy.next_depth() if upcoming is None else upcoming, None
-            if not 0 <= d <= MAX_DEPTH:
-                raise ValueError(f"depth policy chose depth {d}; it must be 0..{MAX_DEPTH}")
-            if d == PLAIN:
-                hidden, block_logprobs, following = queued or plain_step(last)
-                drafter.keep(hidden, following)
-                queued, kind, accepted, last = None, "plain", 0, following
+            kind, item = following
+            own_launch = launch
+            if kind == "plain":
+                loop.take_plain(item)
+                block_logprobs = item[1]
+                following, launch = queue(ask(1))
+                block = loop.last.tolist()
+                policy.observe(PLAIN, 0, clock.lap() - launch + own_launch)
                 continue
-            # Draft, then verify [last, drafts…] in one trunk pass.
-            drafts, q = drafter.draft(d)
-            mx.async_eval(drafts)  # the head runs while the verify pass is being built
-            inputs = mx.concatenate([last, drafts])
-            with rollback.capturing(inputs.size) as recorder:
-                hidden = trunk.hidden(inputs[None], cache)
-            logprobs = logprobs_at(trunk.trunk_logits(hidden[0]), inputs, history)
-            if sampling is None:
-                accepted_arr, tokens = accept_greedy(logprobs, drafts)
-            else:
-                accepted_arr, tokens = accept_sampled(sampling.probs(logprobs), q, drafts)
-            mx.eval(accepted_arr, tokens)
-            accepted = accepted_arr.item()
-            block, block_logprobs, kind = tokens[: accepted + 1].tolist(), logprobs, "cycle"
-            # Commit.
-            recorder.commit(cache, accepted + 1)
-            drafter.accept(d, hidden[:, : accepted + 1], tokens[: accepted + 1])
-            if processors:
-                history = mx.concatenate([history, inputs[: accepted + 1]])
-            last = tokens[accepted : accepted + 1]
-            policy.observe(d, accepted, clock.lap())
+            cycle = item
+            accepted = cycle.accepted.item()
+            block, block_logprobs = cycle.tokens[: accepted + 1].tolist(), cycle.logprobs
+            loop.commit(cycle, accepted)
+            following, launch = queue(ask(accepted + 1))
+            policy.observe(cycle.depth, accepted, clock.lap() - launch + own_launch)
     finally:
-        _settle(trunk, cache, kind, d, recorder, queued, block, emitted, accepted, stats)
+        _settle(loop, kind, cycle, accepted, following, emitted, stats)
 
 
-def _settle(trunk, cache, kind, depth, recorder, queued, block, emitted, accepted, stats) -> None:
-    """Leave the trunk cache holding exactly the prompt and every yielded token, as plain decoding does."""
+def _settle(loop: _Loop, kind: str, cycle: _Cycle | None, accepted: int, following, emitted: int, stats) -> None:
+    """Leave the trunk cache holding exactly the prompt and every yielded token, as plain decoding does.
+
+    The block being yielded came from the prompt pass or a plain step (``kind`` "first" / "plain": one
+    token) or from ``cycle``, committed to its first accepted+1 inputs; ``following`` (queued plain step,
+    started cycle or None) has fed the block's last token to the trunk already.
+    """
     if emitted == 0:
         return
-    if kind != "cycle":  # one token, from the prompt pass or a plain step; plain decoding has fed it
-        stats.plain += kind == "plain"
-        if queued is None:
-            trunk.hidden(mx.array(block[:1])[None], cache)
-    elif emitted <= accepted:
-        stats.record(emitted, emitted, depth)
-        recorder.commit(cache, emitted + 1)
-    else:  # the bonus token was yielded; plain decoding has fed it
-        stats.record(accepted, emitted, depth)
-        trunk.hidden(mx.array(block[-1:])[None], cache)
-    mx.eval([c.state for c in cache])
+    if kind == "plain":
+        stats.plain += 1
+    elif kind == "cycle":
+        stats.record(min(accepted, emitted), emitted, cycle.depth)
+    if kind != "cycle" or emitted == accepted + 1:  # the newest token was yielded: it must be in the cache
+        if following is None:
+            loop.trunk.hidden(loop.last[None], loop.cache)
+        elif following[0] == "cycle":
+            following[1].recorder.commit(loop.cache, 1)
+    else:  # stopped inside the accepted drafts: undo what the successor fed, roll back within the cycle
+        if following is not None:
+            fed = 1 if following[0] == "plain" else following[1].inputs.size
+            for c in loop.cache:
+                if id(c) not in cycle.recorder.layers and c.is_trimmable():
+                    c.trim(fed)
+        cycle.recorder.commit(loop.cache, emitted + 1)
+    mx.eval([c.state for c in loop.cache])

@@ -34,6 +34,8 @@ class LoadedHead:
         norms: convention decided per RMSNorm weight (canonical name → decision).
         quantization: label per linear module path (``int4/g64``, ``bf16`` …).
         stats: counters of the last generation that used this head, or None.
+        controller: the adaptive depth controller (``controller.DepthController``) of automatic-depth
+            generations, created by the first and kept for the next ones (``tuning.depth_policy``).
     """
 
     module: nn.Module
@@ -41,6 +43,7 @@ class LoadedHead:
     norms: dict[str, NormDecision] = field(default_factory=dict)
     quantization: dict[str, str] = field(default_factory=dict)
     stats: MTPStats | None = None
+    controller: object | None = None
 
     def summary(self) -> str:
         """One line: where the head came from, its naming, quantization and norm conventions."""

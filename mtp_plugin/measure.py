@@ -4,8 +4,9 @@ loop's parts (plain step, verify pass, draft steps) relative to a plain step.
 
 Tokens per second count the tokens after the first (the first comes from the prompt pass, the same for
 every candidate) over the seconds from the first token to the last, greedy. Candidates are run
-interleaved (each repeat runs every candidate on every prompt) so that a change of machine load hits
-them alike; each candidate's figure is the median over repeats of its tokens / seconds over the suite.
+interleaved (each prompt of each repeat is decoded by every candidate in turn) so that a change of
+machine load hits them alike; each candidate's figure is the median over repeats of its tokens /
+seconds over the suite.
 """
 
 from __future__ import annotations
@@ -95,15 +96,16 @@ def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens
     runs: dict[str, list[float]] = {name: [] for name in depths}
     totals: dict[str, MTPStats | None] = dict.fromkeys(depths)
     for _ in range(repeats):
-        for name, depth in depths.items():
-            tokens = seconds = 0.0
-            for prompt in prompts:
+        tokens, seconds = dict.fromkeys(depths, 0.0), dict.fromkeys(depths, 0.0)
+        for prompt in prompts:
+            for name, depth in depths.items():
                 n, s = _timed(decode(prompt, max_tokens, depth))
-                tokens, seconds = tokens + n, seconds + s
+                tokens[name], seconds[name] = tokens[name] + n, seconds[name] + s
                 if depth is not None and stats() is not None:
                     totals[name] = totals[name] or MTPStats(depth or None)
                     totals[name].add(stats())
-            runs[name].append(tokens / seconds)
+        for name in depths:
+            runs[name].append(tokens[name] / seconds[name])
     return {name: Result(name, statistics.median(runs[name]), runs[name], totals[name]) for name in depths}
 
 

@@ -144,12 +144,16 @@ def start_depth(model_dir: Path, default: int, max_depth: int) -> int:
     return depth if depth is not None and 0 <= depth <= max_depth else default
 
 
-def depth_policy(depth, model_dir: Path):
+def depth_policy(depth, loaded):
     """The loop's ``depth`` option for a requested depth: a fixed depth 1..8 or a policy object as given;
-    0 or None (automatic): an adaptive ``DepthController`` starting at the tuned depth, else at the default."""
+    0 or None (automatic): the adaptive ``DepthController`` of ``loaded`` (a ``loader.LoadedHead``), created
+    on first use starting at the tuned depth (else the default) and kept, so each generation with this
+    head starts from what the previous ones measured (one loaded model serving many requests)."""
     if depth:
         return depth
-    from .controller import DepthController
-    from .decoding import DEFAULT_DEPTH, MAX_DEPTH
+    if loaded.controller is None:
+        from .controller import DepthController
+        from .decoding import DEFAULT_DEPTH, MAX_DEPTH
 
-    return DepthController(start_depth(model_dir, DEFAULT_DEPTH, MAX_DEPTH))
+        loaded.controller = DepthController(start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH))
+    return loaded.controller

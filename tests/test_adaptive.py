@@ -158,3 +158,17 @@ def test_head_history_after_parking_equals_feeding_all_along(tiny):
 def test_policy_depth_out_of_range_is_refused(random_model):
     with pytest.raises(ValueError, match="depth policy chose depth 9"):
         tokens(random_model, [3, 17, 42], max_tokens=4, mtp_depth=Schedule([9]))
+
+
+def test_generator_closed_anywhere_leaves_plain_cache(tiny):
+    """Closed after every token count up to 14: inside a cycle's accepted drafts, on its bonus token, on a
+    plain step, with a plain step or a cycle already queued behind the block; the cache equals plain's."""
+    model, prompt = tiny
+    depths = [3, 0, 2, 3, 0, 0, 4, 1]
+    seen = Schedule(depths)
+    tokens(model, prompt, max_tokens=14, mtp_depth=seen)
+    assert any(accepted >= 2 for _, accepted in seen.ran), "no cycle accepted two drafts: partial blocks untested"
+    for stop in range(1, 15):
+        plain_cache, mtp_cache = caches_after_close(model, prompt, stop, mtp_depth=Schedule(depths))
+        for plain, mtp in zip(plain_cache, mtp_cache, strict=True):
+            np.testing.assert_allclose(mtp, plain, rtol=1e-5, atol=1e-5)

@@ -70,6 +70,20 @@ def test_automatic_depth_starts_at_recorded_depth(model_dir, recorded):
         assert stats.depths[0] == recorded
 
 
+def test_automatic_depth_controller_kept_across_generations(model_dir):
+    model, tokenizer = load(str(model_dir))
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    measured = []
+    for _ in range(2):
+        list(generate_step(mx.array(tokenizer.encode("def f(x):\n")), model, max_tokens=12))
+        controller = model.mtp_head.controller
+        measured.append((controller, sum(len(c) for c in controller.costs)))
+    (first, before), (second, after) = measured
+    assert second is first and after > before  # the second generation went on from the first's measurements
+    list(generate_step(mx.array(tokenizer.encode("x")), model, max_tokens=4, mtp_depth=2))
+    assert model.mtp_head.controller is first  # a fixed depth leaves it alone
+
+
 def test_efficiency_from_measured_parts():
     rows = [{"name": "plain", "speedup": 1.0}, {"name": "depth 2", "speedup": 1.5, "tokens_per_cycle": 2.4}]
     efficiency(rows, {"plain": 0.010, "verify": {3: 0.012}, "draft": {2: 0.004}})
