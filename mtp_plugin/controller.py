@@ -27,7 +27,7 @@ over ``plain_probe`` plain tokens, as long as plain decoding is still in content
 
 Pure logic: no mlx, no clock. The decoding loop asks ``next_depth()`` once per cycle and reports each
 cycle with ``observe``; the question may run one cycle ahead of the reports (the loop queues each
-cycle before it reads the previous one).
+block's successor before yielding the block), and the last one of a generation may go unreported.
 """
 
 from __future__ import annotations

@@ -131,8 +131,9 @@ class DepthPolicy(Protocol):
     """Chooses each cycle's draft depth (``controller.DepthController``, ``controller.FixedDepth``).
 
     The loop asks once per cycle and reports every cycle it ran, both in order; the question for a cycle
-    may come before the previous cycle is reported (each block's successor is queued before the block
-    is read).
+    may come before the previous cycle is reported (each block's successor is queued before the block is
+    yielded), and the last question of a generation goes unreported when the consumer stops before its
+    cycle's tokens (that queued cycle is discarded).
     """
 
     def next_depth(self) -> int:
@@ -177,8 +178,8 @@ class _Cycle:
 class _Loop:
     """The state one generation's cycles change, and the steps that change it.
 
-    ``last`` is the newest token (1,), not yet fed to the trunk; ``history`` the tokens the logits
-    processors have seen (None without processors).
+    ``last`` is the newest token (1,), which the next plain step or cycle feeds to the trunk first;
+    ``history`` the tokens the logits processors have seen (None without processors).
     """
 
     def __init__(self, trunk, cache, drafter, sampling, processors, history):
@@ -389,7 +390,10 @@ def _settle(loop: _Loop, kind: str, cycle: _Cycle | None, accepted: int, followi
     token) or from ``cycle``, committed to its first accepted+1 inputs; ``following`` (queued plain step,
     started cycle or None) has fed the block's last token to the trunk already.
     """
-    if emitted == 0:
+    if emitted == 0:  # raised between blocks: the previous block's last token is the cycle's first input
+        if kind == "cycle":
+            cycle.recorder.commit(loop.cache, 1)
+            mx.eval([c.state for c in loop.cache])
         return
     if kind == "plain":
         stats.plain += 1

@@ -1,13 +1,15 @@
 """``mtp-plugin tune``: measure plain decoding and draft depths 1..N on a code prompt suite, record the fastest.
 
-The recommended depth must beat plain decoding by ``MARGIN`` (tokens per second, medians of repeated
-runs); otherwise plain decoding is recommended (recorded as depth 0: the adaptive controller then
-starts parked). The record goes to the user cache (``tuning.py``) and, with ``write``, to config.json;
-``mlx_lm.generate`` with automatic depth starts its adaptive controller there.
+The recommended depth must beat plain decoding by ``MARGIN`` (speedup: the median over repeated runs of
+its tokens per second ÷ plain's in the same run); otherwise plain decoding is recommended (recorded as
+depth 0: the adaptive controller then starts parked). The record goes to the user cache (``tuning.py``)
+and, with ``write``, to config.json; ``mlx_lm.generate`` with automatic depth starts its adaptive
+controller there.
 """
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from . import measure, tuning
@@ -18,11 +20,16 @@ MARGIN = 0.02  # a depth is recommended only if at least 2 % faster than plain d
 
 
 def summarise(results: dict[str, measure.Result]) -> list[dict]:
-    """Per candidate: name, tokens/s (median), speedup vs plain, tokens per cycle, acceptance by depth."""
-    plain = results["plain"].tokens_per_second
+    """Per candidate: name, tokens/s (median), speedup vs plain, tokens per cycle, acceptance by depth.
+
+    The speedup is the median over repeats of the candidate's tokens/s ÷ plain's in the same repeat
+    (paired, so that a change of machine speed between repeats cancels).
+    """
+    plain = results["plain"].runs
     rows = []
     for name, r in results.items():
-        rows.append({"name": name, "tokens_per_second": r.tokens_per_second, "speedup": r.tokens_per_second / plain,
+        speedup = statistics.median(mine / theirs for mine, theirs in zip(r.runs, plain, strict=True))
+        rows.append({"name": name, "tokens_per_second": r.tokens_per_second, "speedup": speedup,
                      "runs": r.runs,
                      "tokens_per_cycle": r.stats.tokens_per_cycle if r.stats else None,
                      "acceptance_by_depth": r.stats.acceptance_by_depth if r.stats else None,
@@ -58,7 +65,7 @@ def tune(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int =
     prompts = [tokenizer.encode(p) for p in measure.code_prompts()]
     candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}}
     rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats))
-    best = max(rows[1:], key=lambda r: r["tokens_per_second"])
+    best = max(rows[1:], key=lambda r: r["speedup"])
     depth = candidates[best["name"]] if best["speedup"] >= 1 + MARGIN else 0
     path = tuning.record(Path(model_dir), depth, {r["name"]: r["tokens_per_second"] for r in rows}, write)
     return {"candidates": rows, "depth": depth, "cache": str(path), "written": write}

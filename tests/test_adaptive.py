@@ -172,3 +172,18 @@ def test_generator_closed_anywhere_leaves_plain_cache(tiny):
         plain_cache, mtp_cache = caches_after_close(model, prompt, stop, mtp_depth=Schedule(depths))
         for plain, mtp in zip(plain_cache, mtp_cache, strict=True):
             np.testing.assert_allclose(mtp, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cycles", [1, 2, 3])
+def test_policy_error_between_blocks_leaves_plain_cache(tiny, cycles):
+    """A policy refused after some cycles: the cache holds the prompt and the yielded tokens only."""
+    model, prompt = tiny
+    cache, out = make_prompt_cache(model), []
+    with pytest.raises(ValueError, match="depth policy chose depth 9"):
+        for token, _ in generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=40,
+                                      mtp_depth=Schedule([3] * cycles + [9])):
+            out.append(token)
+    plain = make_prompt_cache(model)
+    assert tokens(model, prompt, max_tokens=len(out), prompt_cache=plain, enable_mtp=False) == out
+    for want, got in zip(cache_arrays(plain), cache_arrays(cache), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
