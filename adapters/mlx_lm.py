@@ -20,6 +20,7 @@ from mtp_plugin.hookspecs import hookimpl
 from . import capture
 from .mlx_lm_decoding import (
     CAPTURE_POINTS,
+    CAPTURED,
     add_cli_flags,
     describe_samplers,
     mtp_generate_step,
@@ -74,6 +75,8 @@ def _patch_decoding():
 
     generate_module = importlib.import_module("mlx_lm.generate")  # ``mlx_lm.generate`` is also a function
     captured = capture.install(_patches, {t: (f"mlx_lm.models.{t}", c) for t, c in CAPTURE_POINTS.items()})
+    CAPTURED.clear()
+    CAPTURED.update(captured)
     for module in (mlx_lm.sample_utils, generate_module):
         _patches.wrap(module, "make_sampler", describe_samplers)
     _patches.wrap(generate_module, "generate_step", functools.partial(mtp_generate_step, captured=captured))
@@ -114,3 +117,4 @@ def mtp_unpatch_runtime():
     with _lock:
         _server_patches.restore()
         _patches.restore()
+        CAPTURED.clear()

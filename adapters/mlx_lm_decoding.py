@@ -33,6 +33,7 @@ LINEAR_ATTENTION_MODULE = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen
 # mlx-lm < 0.32 shows logits processors only the tokens after the chunked prefill (measured on 0.31.3).
 PREFILL_IN_HISTORY = release("mlx-lm") >= (0, 32, 0)
 CLI = {"depth": 0, "enabled": True}  # set by --mtp-depth / --no-mtp; 0 = automatic
+CAPTURED: set[str] = set()  # linear-attention modules whose layers have capture points (set when patched)
 SAMPLINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sampler -> Sampling, None when greedy
 
 

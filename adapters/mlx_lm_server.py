@@ -3,8 +3,10 @@
 * ``main`` takes the plugin's flags out of ``sys.argv`` before mlx-lm's own parser sees them.
 * Per request, ``"enable_mtp": bool`` and ``"mtp_depth": int`` (0-8, 0 = automatic) are read and
   validated with the request's other parameters (a bad value is mlx-lm's usual 400 answer).
-* A request that decodes with MTP is served by mlx-lm's single-request path (MTP verifies several
-  tokens per pass, which mlx-lm's ``BatchGenerator`` cannot); every other request keeps mlx-lm's batching.
+* Requests are batched as mlx-lm batches them; for a model with a usable head the server's
+  ``BatchGenerator`` decodes with batched MTP cycles (``mlx_lm_batching``): each request's options give its
+  row's depth (``enable_mtp: false``: plain tokens in the same verify pass). Requests mlx-lm serves on its
+  single-request path (a seed, ``--kv-bits``, images) decode with single-stream MTP there.
 * The final response of a request to a model with a head carries llama.cpp's counters
   ``timings.draft_n`` (draft tokens) and ``timings.draft_n_accepted`` (accepted draft tokens).
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import sys
 import threading
@@ -24,11 +27,20 @@ from dataclasses import dataclass
 from mtp_plugin.decoding import MAX_DEPTH
 from mtp_plugin.stats import MTPStats
 
+from .mlx_lm_batching import (
+    MTPGenerationBatch,
+    batching_model,
+    capture_prompt,
+    context_of,
+    log_summary,
+    start_generation,
+)
 from .mlx_lm_decoding import CLI
 
 PLUGIN_NAMES = ("mtp",)
 _handler = threading.local()  # the MTP options of the request being parsed on this handler thread
 _serving = threading.local()  # the MTP options of the request being served on the generation thread
+_routing = threading.local()  # the MTP options of the request the generation thread is about to batch
 
 
 class MTPRequestError(ValueError):
@@ -128,19 +140,46 @@ def carry_request_options(generate):
     return wrapper
 
 
-def _decodes_with_mtp(model_provider, generation_args) -> bool:
-    options = getattr(generation_args, "mtp", None)
-    return options is not None and options.wanted and getattr(model_provider.model, "mtp_head", None) is not None
-
-
-def keep_mtp_out_of_batches(is_batchable):
-    """Wrap ``ResponseGenerator._is_batchable``: a request that decodes with MTP is served on its own."""
+def remember_options(is_batchable):
+    """Wrap ``ResponseGenerator._is_batchable``: keep the request's MTP options for the batch row it may become
+    (mlx-lm asks this on the generation thread right before it inserts the request)."""
 
     @functools.wraps(is_batchable)
     def wrapper(self, generation_args, *args, **kwargs):
-        if _decodes_with_mtp(self.model_provider, generation_args):
-            return False
+        _routing.options = getattr(generation_args, "mtp", None)
         return is_batchable(self, generation_args, *args, **kwargs)
+
+    return wrapper
+
+
+def batch_with_mtp(batch_generator):
+    """Wrap the server's ``BatchGenerator`` class: for a model with a usable head, a generator that decodes
+    every row with batched MTP cycles; otherwise mlx-lm's own."""
+
+    @functools.wraps(batch_generator)
+    def make(model, *args, **kwargs):
+        wrapped = batching_model(model)
+        generator = batch_generator(wrapped or model, *args, **kwargs)
+        if wrapped is not None:
+            generator._generation_batch = MTPGenerationBatch.empty(wrapped, generator.sampler)
+            close = generator.close
+            generator.close = lambda: (log_summary(wrapped.mtp_batching), close())
+        return generator
+
+    return make
+
+
+def attach_options(insert_segments):
+    """Wrap ``BatchGenerator.insert_segments``: an MTP generator keeps each new row's request options."""
+
+    @functools.wraps(insert_segments)
+    def wrapper(self, *args, **kwargs):
+        uids = insert_segments(self, *args, **kwargs)
+        ctx = context_of(self)
+        if ctx is not None:
+            for uid in uids:
+                ctx.options[uid] = getattr(_routing, "options", None)
+        return uids
 
     return wrapper
 
@@ -207,5 +246,10 @@ def patch_server(patches, server) -> None:
     patches.wrap(server.APIHandler, "generate_response", report_counters)
     patches.wrap(server.APIHandler, "completion_usage_response", report_counters)
     patches.wrap(server.ResponseGenerator, "generate", carry_request_options)
-    patches.wrap(server.ResponseGenerator, "_is_batchable", keep_mtp_out_of_batches)
+    patches.wrap(server.ResponseGenerator, "_is_batchable", remember_options)
+    patches.wrap(server.BatchGenerator, "insert_segments", attach_options)
+    generate = importlib.import_module("mlx_lm.generate")  # ``mlx_lm.generate`` is also a function
+    patches.wrap(generate.PromptProcessingBatch, "prompt", capture_prompt)
+    patches.wrap(generate.PromptProcessingBatch, "generate", start_generation)
+    patches.wrap(server, "BatchGenerator", batch_with_mtp)
     patches.wrap(server.ResponseGenerator, "_serve_single", serve_with_options)

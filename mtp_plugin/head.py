@@ -37,13 +37,14 @@ class MTPHead(nn.Module):
         self.norm = nn.RMSNorm(hidden_size, eps=eps)
         self.contract = contract or Contract()
 
-    def __call__(self, hidden: mx.array, embeddings: mx.array, cache=None) -> mx.array:
+    def __call__(self, hidden: mx.array, embeddings: mx.array, cache=None, mask=None) -> mx.array:
         """Head output before the lm_head.
 
         Args:
             hidden: trunk hidden states h[t], shape (B, T, H), in the contract's variant.
             embeddings: trunk embeddings of x[t+1], shape (B, T, H).
-            cache: the head's own KV cache (an mlx-lm/mlx-vlm ``KVCache``) or None.
+            cache: the head's own KV cache (an mlx-lm/mlx-vlm ``KVCache``, or a batched one) or None.
+            mask: attention mask for a batched cache (its ``make_mask``); None: causal over the new tokens.
 
         Returns:
             (B, T, H) array, same dtype as the head's weights.
@@ -52,5 +53,6 @@ class MTPHead(nn.Module):
         h = self.pre_fc_norm_hidden(hidden)
         pair = [e, h] if self.contract.concat_order == "embedding_first" else [h, e]
         x = self.fc(mx.concatenate(pair, axis=-1))
-        mask = "causal" if x.shape[1] > 1 else None  # bottom-right aligned: queries follow the cached keys
+        if mask is None and x.shape[1] > 1:
+            mask = "causal"  # bottom-right aligned: queries follow the cached keys
         return self.norm(self.layers[0](x, mask=mask, cache=cache))

@@ -36,6 +36,8 @@ class LoadedHead:
         stats: counters of the last generation that used this head, or None.
         controller: the adaptive depth controller (``controller.DepthController``) of automatic-depth
             generations, created by the first and kept for the next ones (``tuning.depth_policy``).
+        batching: a runtime adapter's state for batched MTP decoding with this head (e.g. its depth
+            policies per batch size), created on first use and kept across batches.
     """
 
     module: nn.Module
@@ -44,6 +46,7 @@ class LoadedHead:
     quantization: dict[str, str] = field(default_factory=dict)
     stats: MTPStats | None = None
     controller: object | None = None
+    batching: object | None = None
 
     def summary(self) -> str:
         """One line: where the head came from, its naming, quantization and norm conventions."""

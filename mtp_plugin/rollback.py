@@ -54,6 +54,39 @@ class Recorder:
         if self.current is not None:
             self.current.states = list(states)
 
+    def commit_rows(self, caches: list, keep: list[int]) -> None:
+        """Set row b of every batched cache to its state after its first ``keep[b]`` verified tokens.
+
+        Captured caches gather each row's conv window and recurrent state; a KV cache is trimmed by what no
+        row keeps, then each row is shifted right by what it drops beyond that, which becomes left padding
+        (the cache's own ``prepare(right_padding=…)`` / ``finalize()``, as the runtime pads batched prompts).
+
+        Args:
+            caches: the trunk's batched caches (B rows each).
+            keep: per row, 1 ≤ keep[b] ≤ S.
+
+        Raises:
+            RollbackError: a cache that was neither captured nor can be trimmed per row.
+        """
+        import mlx.core as mx
+
+        rows, most = mx.arange(len(keep)), max(keep)
+        kept = mx.array(keep)
+        for cache in caches:
+            record = self.layers.get(id(cache))
+            if record is not None:
+                window = kept[:, None] + mx.arange(record.window)[None]
+                cache[0] = mx.take_along_axis(record.rows, window[..., None], axis=1)
+                cache[1] = mx.stack(record.states)[kept - 1, rows]
+            elif not (cache.is_trimmable() and hasattr(cache, "finalize")):
+                raise RollbackError(f"{type(cache).__name__} cannot be rolled back per row")
+            else:
+                cache.trim(self.kept - most)
+                if most > min(keep):
+                    cache.prepare(right_padding=[most - k for k in keep])
+                    cache.finalize()
+        self.kept = most
+
     def commit(self, caches: list, keep: int) -> None:
         """Set every cache to its state after the first ``keep`` (1 ≤ keep ≤ S) verified tokens.
 

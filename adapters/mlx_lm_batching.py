@@ -1,0 +1,360 @@
+"""mlx-lm adapter, continuous batching: MTP cycles inside mlx-lm's own ``BatchGenerator``.
+
+``enable(generator)`` turns a ``BatchGenerator`` whose model has a usable head into an MTP one; mlx-lm's
+scheduling (prompt batches, joins between steps, ``remove`` on cancellation, prompt-cache extraction) is
+untouched. Three runtime pieces are replaced or wrapped, only for such a model:
+
+* ``PromptProcessingBatch.prompt``: the trunk's hidden states of each prompt chunk also feed that row's
+  head (per request, its own KV cache), so a row joins decoding with the head's history of its prompt.
+* ``PromptProcessingBatch.generate``: builds an ``MTPGenerationBatch`` instead of mlx-lm's
+  ``GenerationBatch`` (which would run the last prompt token through the trunk at once).
+* ``MTPGenerationBatch.next``: one batched cycle (``mtp_plugin.batching``) per call; each row's
+  accepted block becomes one mlx-lm ``Response`` per token, with mlx-lm's stop and length rules per token.
+
+The cache behind each finished row holds exactly the tokens its response reports (``all_tokens``): a row
+that stops inside its block keeps only the verified inputs before its final token.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from mtp_plugin.batching import BatchDrafter, Row
+from mtp_plugin.controller import DepthController
+from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH
+from mtp_plugin.drafter import Drafter
+from mtp_plugin.plugins import hook
+from mtp_plugin.stats import MTPStats
+from mtp_plugin.tuning import start_depth
+
+from .mlx_lm_decoding import CAPTURED, CLI, LINEAR_ATTENTION_MODULE, SAMPLINGS
+
+log = logging.getLogger("mtp_plugin")
+
+
+@dataclass
+class HeadRow:
+    """A request's head while its prompt is processed: its own KV cache and the last unpaired hidden state."""
+
+    drafter: Drafter
+    carry: mx.array | None = None
+
+
+@dataclass
+class BatchContext:
+    """What MTP batching keeps for one model: the trunk and head functions, the depth policies of batched
+    cycles (one per batch size class: a verify pass of B rows × (d+1) tokens costs more than one of 1 × (d+1),
+    so each class measures its own costs; kept across generators), each waiting request's MTP options and
+    each prompt row's head."""
+
+    trunk: object
+    drafter: BatchDrafter
+    start: int  # the depth a new policy starts at (tuned, else the default)
+    policies: dict = field(default_factory=dict)  # batch size class (B.bit_length()) -> DepthController
+    options: dict = field(default_factory=dict)  # uid -> the server's MTPRequest (or None)
+    heads: dict = field(default_factory=dict)  # uid -> HeadRow
+    cycles: int = 0
+    row_cycles: int = 0
+    tokens: int = 0
+
+    def head_row(self, uid: int) -> HeadRow:
+        """The head of request ``uid`` (created empty)."""
+        from mlx_lm.models.cache import KVCache
+
+        if uid not in self.heads:
+            self.heads[uid] = HeadRow(Drafter(self.drafter.head, self.trunk, KVCache()))
+        return self.heads[uid]
+
+    def policy(self, rows: int) -> DepthController:
+        """The depth policy of batches of ``rows`` rows (1, 2-3, 4-7, 8-15, …)."""
+        size = rows.bit_length()
+        if size not in self.policies:
+            self.policies[size] = DepthController(self.start)
+        return self.policies[size]
+
+
+class BatchingModel:
+    """The model as an MTP ``BatchGenerator`` sees it: calls and attributes go to the model; ``mtp_batching``
+    is the context, so only this generator's prompt and generation batches decode with MTP."""
+
+    def __init__(self, model, ctx: BatchContext):
+        self.model, self.mtp_batching = model, ctx
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def batching_model(model) -> BatchingModel | None:
+    """``model`` wrapped for MTP batching, or None when it has no head whose trunk layers can be rolled back."""
+    loaded = getattr(model, "mtp_head", None)
+    if loaded is None or LINEAR_ATTENTION_MODULE.get(loaded.location.model_type) not in CAPTURED:
+        return None
+    trunk = hook().mtp_trunk(model=model, contract=loaded.module.contract)
+    if trunk is None:
+        return None
+    ctx = loaded.batching
+    if ctx is None:
+        start = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
+        ctx = loaded.batching = BatchContext(trunk, BatchDrafter(trunk, loaded.module), start)
+    ctx.options.clear()  # request ids restart with each generator
+    ctx.heads.clear()
+    return BatchingModel(model, ctx)
+
+
+def context_of(batch) -> BatchContext | None:
+    """The MTP batching context of a prompt or generation batch's model (None: stock batching)."""
+    return getattr(batch.model, "mtp_batching", None)
+
+
+class _Capture:
+    """Stands in for the model during ``PromptProcessingBatch.prompt``: runs the trunk for its hidden states
+    and feeds each row's valid positions (right padding excluded) to that row's head."""
+
+    def __init__(self, ctx: BatchContext, uids: list[int], tokens: list[list[int]]):
+        self.ctx, self.uids, self.tokens, self.done = ctx, uids, tokens, 0
+
+    def __call__(self, inputs: mx.array, cache=None):
+        hidden = self.ctx.trunk.hidden(inputs, cache)
+        n, states = inputs.shape[1], []
+        for i, uid in enumerate(self.uids):
+            valid = max(0, min(n, len(self.tokens[i]) - self.done))
+            if not valid:
+                continue
+            row = self.ctx.head_row(uid)
+            chunk = mx.array(self.tokens[i][self.done : self.done + valid], dtype=mx.uint32)
+            row.carry = row.drafter.prefill(row.carry, hidden[i : i + 1, :valid], chunk)
+            states += [row.carry, row.drafter.cache.state]
+        mx.eval(states)
+        self.done += n
+        return hidden
+
+
+def capture_prompt(prompt):
+    """Wrap ``PromptProcessingBatch.prompt``: with MTP batching, each row's head sees its prompt."""
+
+    @functools.wraps(prompt)
+    def wrapper(self, tokens, *args, **kwargs):
+        ctx = context_of(self)
+        if ctx is None or not tokens:
+            return prompt(self, tokens, *args, **kwargs)
+        model, self.model = self.model, _Capture(ctx, list(self.uids), [list(t) for t in tokens])
+        try:
+            return prompt(self, tokens, *args, **kwargs)
+        finally:
+            self.model = model
+
+    return wrapper
+
+
+def start_generation(generate):
+    """Wrap ``PromptProcessingBatch.generate``: with MTP batching, an ``MTPGenerationBatch`` of these rows."""
+
+    @functools.wraps(generate)
+    def wrapper(self, tokens, *args, **kwargs):
+        ctx = context_of(self)
+        if ctx is None:
+            return generate(self, tokens, *args, **kwargs)
+        if any(len(t) > 1 for t in tokens):
+            self.prompt([t[:-1] for t in tokens])
+        batch = MTPGenerationBatch.empty(self.model, self.fallback_sampler)
+        batch.add_rows(self, [t[-1] for t in tokens], ctx)
+        for name in ("uids", "prompt_cache", "tokens", "samplers", "logits_processors", "max_tokens"):
+            setattr(self, name, [])
+        return batch
+
+    return wrapper
+
+
+def _stops_attribute(batch) -> str:
+    """mlx-lm 0.32 names a batch's stop rules ``stop_sequences``; 0.31 ``state_machines``."""
+    return "stop_sequences" if hasattr(batch, "stop_sequences") else "state_machines"
+
+
+class MTPGenerationBatch:
+    """mlx-lm's ``GenerationBatch`` interface (``uids``, ``prompt_cache``, ``tokens``, ``extend``, ``filter``,
+    ``extract_cache``, ``next``), decoding every row with MTP cycles.
+
+    ``tokens[i]`` always lists the tokens in row i's trunk cache (its newest emitted token is not yet in it).
+    """
+
+    def __init__(self, model, fallback_sampler):
+        from mlx_lm.generate import GenerationBatch
+
+        self.model, self.fallback_sampler = model, fallback_sampler
+        self.response = GenerationBatch.Response
+        self.uids, self.prompt_cache, self.tokens, self.rows = [], [], [], []
+        self.samplers, self.logits_processors, self.max_tokens, self.stops = [], [], [], []
+        self.matchers, self.num_tokens = [], []
+        self.head_cache = None
+
+    @classmethod
+    def empty(cls, model, fallback_sampler):
+        """A batch with no rows."""
+        return cls(model, fallback_sampler)
+
+    def __len__(self):
+        return len(self.uids)
+
+    def add_rows(self, prompts, last: list[int], ctx: BatchContext) -> None:
+        """Take over a prompt batch's rows (their trunk caches hold each prompt but its last token)."""
+        from mlx_lm.models.cache import KVCache
+
+        stops = getattr(prompts, _stops_attribute(prompts))
+        self.uids += prompts.uids
+        self.prompt_cache = prompts.prompt_cache
+        self.tokens += prompts.tokens
+        self.samplers += list(prompts.samplers) or [None] * len(prompts.uids)
+        self.logits_processors += list(prompts.logits_processors) or [[]] * len(prompts.uids)
+        self.max_tokens += prompts.max_tokens
+        self.stops += stops
+        self.matchers += [_Matcher(s) for s in stops]
+        self.num_tokens += [0] * len(prompts.uids)
+        heads = []
+        for i, uid in enumerate(prompts.uids):
+            head = ctx.head_row(uid)
+            del ctx.heads[uid]
+            heads.append(head.drafter.cache)
+            self.rows.append(_row(ctx, uid, last[i], head.carry, self.samplers[i], self.logits_processors[i],
+                                  self.tokens[i]))
+        self.head_cache = KVCache.merge(heads)
+        log.debug("mtp_plugin: %d rows join MTP decoding", len(prompts.uids))
+
+    def extend(self, batch) -> None:
+        """Append another batch's rows (rows joining between cycles)."""
+        from mlx_lm.generate import _extend_cache
+
+        for name in ("uids", "tokens", "rows", "samplers", "logits_processors", "max_tokens", "stops",
+                     "matchers", "num_tokens"):
+            getattr(self, name).extend(getattr(batch, name))
+        self.prompt_cache = _extend_cache(self.prompt_cache, batch.prompt_cache)
+        if self.head_cache is None:
+            self.head_cache = batch.head_cache
+        elif batch.head_cache is not None:
+            self.head_cache.extend(batch.head_cache)
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (finished, cancelled and removed rows leave)."""
+        log.debug("mtp_plugin: MTP batch of %d rows, %d leave", len(self.uids), len(self.uids) - len(keep))
+        for name in ("uids", "tokens", "rows", "samplers", "logits_processors", "max_tokens", "stops",
+                     "matchers", "num_tokens"):
+            values = getattr(self, name)
+            setattr(self, name, [values[i] for i in keep])
+        if not keep:
+            self.prompt_cache, self.head_cache = [], None
+            return
+        for c in self.prompt_cache:
+            c.filter(keep)
+        self.head_cache.filter(keep)
+
+    def extract_cache(self, idx: int) -> list:
+        """Row ``idx``'s trunk caches, unbatched (they hold ``tokens[idx]``)."""
+        return [c.extract(idx) for c in self.prompt_cache]
+
+    def _depths(self, policy: DepthController) -> list[int]:
+        """Each row's depth this cycle: its own, or the policy's (asked once) for rows that follow it."""
+        auto = policy.next_depth() if any(r.depth is None for r in self.rows) else None
+        return [auto if r.depth is None else r.depth for r in self.rows]
+
+    def next(self) -> list:
+        """One cycle: every row's accepted block, one mlx-lm ``Response`` per token."""
+        if not self.uids:
+            return []
+        ctx = context_of(self)
+        start = time.perf_counter()
+        policy = ctx.policy(len(self.rows))
+        depths = self._depths(policy)
+        verified = ctx.drafter.cycle(self.rows, self.prompt_cache, self.head_cache, depths)
+        emitted, finished = [], []
+        for i in range(len(self.uids)):
+            reason, block = None, verified.blocks[i]
+            for j, token in enumerate(block):
+                self.num_tokens[i] += 1
+                reason = "length" if self.num_tokens[i] >= self.max_tokens[i] else None
+                if self.matchers[i].advance(token):
+                    reason = "stop"
+                if reason is not None:
+                    break
+            emitted.append(j + 1)
+            finished.append(reason)
+        for i, row in enumerate(self.rows):
+            self.tokens[i] += [row.last, *verified.blocks[i][: emitted[i] - 1]]
+        ctx.drafter.commit(self.rows, self.prompt_cache, self.head_cache, verified, emitted)
+        seconds = (time.perf_counter() - start) / len(self.rows)
+        responses, keep = [], []
+        for i, uid in enumerate(self.uids):
+            row, d, a = self.rows[i], verified.depths[i], verified.accepted[i]
+            if d:
+                row.stats.record(min(a, emitted[i]), emitted[i], d)
+            else:
+                row.stats.plain += 1
+            if row.depth is None:
+                policy.observe(d, a, seconds)
+            for j, token in enumerate(verified.blocks[i][: emitted[i]]):
+                final = j == emitted[i] - 1 and finished[i] is not None
+                responses.append(self.response(
+                    uid=uid, token=token, logprobs=verified.logprobs[i, j],
+                    finish_reason=finished[i] if final else None,
+                    prompt_cache=self.extract_cache(i) if final else None,
+                    all_tokens=self.tokens[i] if final else None,
+                    **self.matchers[i].fields()))
+            if finished[i] is None:
+                keep.append(i)
+        ctx.cycles += 1
+        ctx.row_cycles += len(self.uids)
+        ctx.tokens += len(responses)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+
+def _row(ctx: BatchContext, uid: int, last: int, carry, sampler, processors, tokens) -> Row:
+    """The decoding state of a request joining the batch, from its MTP options and sampler."""
+    options = ctx.options.pop(uid, None)
+    wanted = CLI["enabled"] if options is None or options.enabled is None else options.enabled
+    depth = (options.depth if options is not None else None) or CLI["depth"] or None
+    sampling = SAMPLINGS.get(sampler, False) if sampler is not None else None
+    if not wanted or sampling is False:
+        depth, sampling = 0, None
+    stats = MTPStats(depth or None)
+    if options is not None and wanted:
+        options.stats = stats
+    pending = [] if carry is None else [(carry, mx.array([last], dtype=mx.uint32))]
+    history = mx.array(tokens, dtype=mx.uint32) if processors else None
+    return Row(last, pending, sampling, sampler, list(processors or []), history, depth, stats)
+
+
+def log_summary(ctx: BatchContext) -> None:
+    """One INFO line on the batched cycles a generator ran (when it closes)."""
+    if ctx.cycles:
+        log.info("mtp_plugin: %d batched cycles emitted %d tokens (%.2f tokens per row-cycle)",
+                 ctx.cycles, ctx.tokens, ctx.tokens / max(ctx.row_cycles, 1))
+
+
+class _Matcher:
+    """A row's stop rule, over mlx-lm 0.32's ``StopSequences`` or 0.31's ``SequenceStateMachine``."""
+
+    def __init__(self, stops):
+        self.stops = stops
+        self.modern = hasattr(stops, "matcher")
+        self.state = stops.matcher() if self.modern else stops.make_state()
+        self.match = self.current = None
+
+    def advance(self, token: int) -> bool:
+        """Whether ``token`` completes a stop sequence."""
+        if self.modern:
+            return self.state.advance(token)
+        self.state, self.match, self.current = self.stops.match(self.state, token)
+        return self.match is not None and self.current is None
+
+    def fields(self) -> dict:
+        """The version's extra ``Response`` fields for the token just matched."""
+        return {} if self.modern else {"current_state": self.current, "match_sequence": self.match}
+

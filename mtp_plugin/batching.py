@@ -1,0 +1,218 @@
+"""Batched MTP decoding: one verify pass of the trunk for every row of a continuous batch.
+
+Each cycle the head drafts for every row at once (its pending pairs right-padded to one length, then
+``depth`` draft steps), the trunk verifies the rows' ``[last token, drafts…]`` in one (B, D+1) pass, each
+row accepts by its own rule (greedy, or exact rejection sampling with its own sampler settings and logits
+processors: ``decoding.accept_greedy`` / ``decoding.accept_sampled``), and every cache is rolled back to each
+row's own accepted prefix (``rollback.Recorder.commit_rows``) without running a token through the trunk again.
+Rows draft to different depths within one pass: a row's acceptance is computed on its own first d_r drafts
+only, so positions beyond them are verified and dropped (a row at depth 0 decodes one plain token).
+
+The design follows vLLM's speculative decoding scheduler (per-row accepted lengths, one batched verify
+pass; ``vllm/v1/spec_decode``) on mlx-lm's batched caches, whose per-row left padding absorbs the tokens a
+row rejects beyond what every row rejects.
+
+Row invariant between cycles: the trunk cache holds every token before ``last`` (the newest emitted
+token); the head's pending pairs (h[i], x[i+1]) end with the pair whose token is ``last``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import rollback
+from .decoding import Sampling, accept_greedy, accept_sampled
+from .drafter import log_softmax
+from .stats import MTPStats
+
+
+@dataclass
+class Row:
+    """One request's decoding state between cycles.
+
+    Attributes:
+        last: newest emitted token id, not yet fed to the trunk.
+        pending: head pairs not yet fed: (hidden (1, n, H), tokens (n,)) chunks, oldest first.
+        sampling: None for greedy MTP drafting, else the row sampler's distribution.
+        sampler: the runtime's sampler callable, used on plain steps of a row that cannot draft (None: argmax).
+        processors: logits processors ``processor(tokens, logits) -> logits``.
+        history: token ids (N,) the processors have seen (None without processors).
+        depth: 0 never drafts (MTP off, or a sampler with no known distribution); 1..8 a fixed draft depth;
+            None follows the batch's depth policy.
+        stats: this row's MTP counters.
+    """
+
+    last: int
+    pending: list = field(default_factory=list)
+    sampling: Sampling | None = None
+    sampler: Callable | None = None
+    processors: list = field(default_factory=list)
+    history: mx.array | None = None
+    depth: int | None = None
+    stats: MTPStats = field(default_factory=MTPStats)
+
+    def pairs(self) -> int:
+        """Number of pending head pairs."""
+        return sum(t.size for _, t in self.pending)
+
+
+@dataclass
+class Verified:
+    """A cycle's outcome, read on the host: per row the accepted count, its block and the log-probs."""
+
+    depths: list[int]  # per row, the drafts verified (0: a plain step)
+    accepted: list[int]
+    blocks: list[list[int]]  # per row, its accepted drafts then the correction or bonus token
+    logprobs: mx.array  # (B, D+1, V) trunk log-probs after each row's processors
+    hidden: mx.array  # (B, D+1, H) trunk hidden states of the inputs
+    inputs: mx.array  # (B, D+1) ``[last, drafts…]``
+    recorder: rollback.Recorder | None  # None for an all-plain step (nothing to roll back)
+
+
+class BatchDrafter:
+    """Runs cycles over a batch of rows.
+
+    Args:
+        trunk: the trunk functions (``decoding.Trunk``; batched inputs (B, S)).
+        head: the loaded head module.
+    """
+
+    def __init__(self, trunk, head: nn.Module):
+        self.trunk, self.head = trunk, head
+
+    def _feed(self, rows: list[Row], head_cache) -> mx.array | None:
+        """Feed every row's pending pairs in one right-padded pass; the last fed output per row (B, 1, H),
+        or None when no row has a pair."""
+        counts = [r.pairs() for r in rows]
+        width = max(counts)
+        if width == 0:
+            return None
+        hidden, tokens = [], []
+        for row, n in zip(rows, counts, strict=True):
+            h = [c[0] for c in row.pending] or [mx.zeros((1, 0, self.head.fc.weight.shape[0]), mx.float32)]
+            t = [c[1] for c in row.pending] or [mx.zeros((0,), mx.uint32)]
+            h, t = mx.concatenate(h, axis=1), mx.concatenate(t).astype(mx.uint32)
+            hidden.append(mx.pad(h, [(0, 0), (0, width - n), (0, 0)]))
+            tokens.append(mx.pad(t, [(0, width - n)]))
+            row.pending = []
+        dtype = next(h.dtype for h in hidden if h.size)
+        hidden = mx.concatenate([h.astype(dtype) for h in hidden])
+        tokens = mx.stack(tokens)
+        padding = [width - n for n in counts]
+        if max(padding):
+            head_cache.prepare(right_padding=padding)
+        mask = head_cache.make_mask(width)
+        out = self.head(hidden, self.trunk.embed(tokens), cache=head_cache, mask=mask)
+        head_cache.finalize()
+        last = mx.array([max(n - 1, 0) for n in counts])[:, None, None]
+        return mx.take_along_axis(out, last, axis=1)
+
+    def _choose(self, rows: list[Row], g: mx.array, depths: list[int]) -> tuple[mx.array, list]:
+        """Draft tokens (B,) from head outputs g (B, 1, H) and, per sampled row, its q (1, V)."""
+        logits = self.trunk.logits(g)[:, 0]
+        if all(r.sampling is None for r in rows):
+            return mx.argmax(logits, axis=-1), [None] * len(rows)
+        tokens, qs = [], []
+        for i, row in enumerate(rows):
+            if row.sampling is None or not depths[i]:
+                tokens.append(mx.argmax(logits[i : i + 1], axis=-1))
+                qs.append(None)
+                continue
+            q = row.sampling.probs(log_softmax(logits[i : i + 1].astype(mx.float32)))
+            tokens.append(mx.random.categorical(mx.log(q)))
+            qs.append(q)
+        return mx.concatenate(tokens), qs
+
+    def _logprobs(self, row: Row, logits: mx.array, inputs: mx.array) -> mx.array:
+        """Log-probs (S, V) of one row after its processors, position i seeing history + inputs[:i+1]."""
+        if row.processors:
+            out = []
+            for i in range(inputs.size):
+                seen = mx.concatenate([row.history, inputs[: i + 1]]) if row.history is not None else inputs[: i + 1]
+                x = logits[i : i + 1]
+                for processor in row.processors:
+                    x = processor(seen, x)
+                out.append(x)
+            logits = mx.concatenate(out, axis=0)
+        return log_softmax(logits)
+
+    def _pick(self, row: Row, logprobs: mx.array) -> mx.array:
+        """One plain token (1,) from log-probs (1, V): the row's own sampler, else argmax."""
+        if row.sampler is None:
+            return mx.argmax(logprobs, axis=-1)
+        return row.sampler(logprobs).reshape(1)
+
+    def cycle(self, rows: list[Row], cache: list, head_cache, depths: list[int]) -> Verified:
+        """Queue and run one cycle: draft, verify in one trunk pass, accept per row (one host sync).
+
+        Args:
+            rows: the batch's rows, in cache row order (B ≥ 1).
+            cache: the trunk's batched caches (B rows).
+            head_cache: the head's batched KV cache (B rows).
+            depths: per row, the drafts wanted this cycle (0..8); a row with no pending pair decodes plain.
+
+        Returns:
+            The ``Verified`` outcome; caches are not yet committed (``commit``).
+        """
+        depths = [d if row.pairs() else 0 for row, d in zip(rows, depths, strict=True)]
+        width = max(depths)
+        g = self._feed(rows, head_cache) if width else None  # parked rows keep their pairs for later
+        drafts, qs = [], []
+        for k in range(width):
+            x, q = self._choose(rows, g, depths)
+            drafts.append(x)
+            qs.append(q)
+            if k < width - 1:
+                g = self.head(g, self.trunk.embed(x[:, None]), cache=head_cache, mask=head_cache.make_mask(1))
+        last = mx.array([r.last for r in rows], dtype=mx.uint32)[:, None]
+        inputs = mx.concatenate([last, mx.stack(drafts, axis=1).astype(mx.uint32)], axis=1) if width else last
+        recorder = None
+        if width:
+            with rollback.capturing(width + 1) as recorder:
+                hidden = self.trunk.hidden(inputs, cache)
+        else:
+            hidden = self.trunk.hidden(inputs, cache)
+        logits = self.trunk.trunk_logits(hidden)
+        logprobs, accepted, tokens = [], [], []
+        for i, row in enumerate(rows):
+            d = depths[i]
+            lp = self._logprobs(row, logits[i, : d + 1], inputs[i, : d + 1])
+            logprobs.append(mx.pad(lp, [(0, width - d), (0, 0)]))
+            if d == 0:
+                accepted.append(mx.array(0))
+                tokens.append(mx.pad(self._pick(row, lp).astype(mx.uint32), [(0, width)]))
+                continue
+            row_drafts = inputs[i, 1 : d + 1]
+            if row.sampling is None:
+                a, block = accept_greedy(lp, row_drafts)
+            else:
+                q = mx.concatenate([qs[k][i] for k in range(d)], axis=0)
+                a, block = accept_sampled(row.sampling.probs(lp), q, row_drafts)
+            accepted.append(a)
+            tokens.append(mx.pad(block.astype(mx.uint32), [(0, width - d)]))
+        accepted, tokens = mx.stack(accepted), mx.stack(tokens)
+        logprobs = mx.stack(logprobs)
+        mx.eval(accepted, tokens)
+        counts, table = accepted.tolist(), tokens.tolist()
+        blocks = [table[i][: a + 1] for i, a in enumerate(counts)]
+        return Verified(depths, counts, blocks, logprobs, hidden, inputs, recorder)
+
+    def commit(self, rows: list[Row], cache: list, head_cache, verified: Verified, keep: list[int]) -> None:
+        """Keep each row's first ``keep[b]`` verified inputs (1 ≤ keep[b] ≤ accepted+1): caches rolled back,
+        the head given those pairs, ``last`` the token after them."""
+        width = max(verified.depths)
+        if verified.recorder is not None:
+            verified.recorder.commit_rows(cache, keep)
+        if width > 1:
+            head_cache.trim(width - 1)
+        for i, row in enumerate(rows):
+            k = keep[i]
+            block = mx.array(verified.blocks[i][:k], dtype=mx.uint32)
+            row.pending.append((verified.hidden[i : i + 1, :k], block))
+            if row.processors:
+                row.history = mx.concatenate([row.history, verified.inputs[i, :k]])
+            row.last = verified.blocks[i][k - 1]
