@@ -1,0 +1,172 @@
+"""Batched MTP inside mlx-lm's own ``BatchGenerator`` (as ``mlx_lm.server`` builds it), on the real runtime.
+
+Every row of a batch must decode exactly what the same request decodes alone with stock mlx-lm (greedy:
+token for token; sampling: the trunk's distribution), whatever the other rows do: different prompt
+lengths, depths, processors, MTP off, rows joining between cycles and rows cancelled; and the cache a row
+leaves must equal a replay of its tokens.
+"""
+
+import importlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from builders import build_head, build_model, cache_arrays, config_for, save_checkpoint, to_float32, trunk_weights
+from console_runs import HF
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.utils import load_model
+from test_sampling import PROMPT, VOCAB, chi_square_p, exact_marginals
+
+from mtp_plugin.adapters import mlx_lm_server
+from mtp_plugin.adapters.mlx_lm_server import MTPRequest
+from mtp_plugin.adapters.patching import release
+
+# mlx-lm < 0.32 pollutes the GatedDeltaNet state of right-padded prompt rows (its ArraysCache mask ignores the
+# prompt lengths), so its own batched output differs from a request served alone; there the reference of a batch
+# is stock mlx-lm batching the same rows.
+ALONE_IS_REFERENCE = release("mlx-lm") >= (0, 32)
+
+PROMPTS = ["def fib(n):", "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path", "for i in range(",
+           "x", "    return self._data[key]\n", "def main():\n    parser = argparse.ArgumentParser("]
+MAX_TOKENS = [40, 28, 33, 20, 30, 36]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The bundled trained checkpoint in float32 (exact greedy comparisons), and its tokenizer."""
+    model, tokenizer = load(str(HF))
+    return to_float32(model), tokenizer
+
+
+def stock_tokens(model, prompts: list, max_tokens: list, processors=None) -> list[list[int]]:
+    """What a stock mlx-lm server decodes for each request: mlx-lm's own ``BatchGenerator``, each request alone
+    (where mlx-lm batches correctly), else all of them in one batch."""
+    generator_class = importlib.import_module("mlx_lm.generate").BatchGenerator
+    processors = processors or [[]] * len(prompts)
+    groups = [[i] for i in range(len(prompts))] if ALONE_IS_REFERENCE else [list(range(len(prompts)))]
+    out = {}
+    for group in groups:
+        generator = generator_class(model)
+        uids = generator.insert([prompts[i] for i in group], max_tokens=[max_tokens[i] for i in group],
+                                samplers=[make_sampler(0.0)] * len(group),
+                                logits_processors=[processors[i] for i in group])
+        results = {}
+        drain(generator, results)
+        out.update({i: results[uid] for i, uid in zip(group, uids, strict=True)})
+    return [out[i] for i in range(len(prompts))]
+
+
+def mtp_generator(model):
+    """The server's ``BatchGenerator`` (the plugin's wrapper) for ``model``: it must decode with MTP."""
+    server = importlib.import_module("mlx_lm.server")
+    generator = server.BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+    assert type(generator._generation_batch).__name__ == "MTPGenerationBatch"
+    return generator
+
+
+def insert(generator, prompts, max_tokens, options=None, processors=None, sampler=None) -> list[int]:
+    """Insert requests one by one as the server does, each with its own MTP options."""
+    uids = []
+    for i, prompt in enumerate(prompts):
+        mlx_lm_server._routing.options = (options or [None] * len(prompts))[i]
+        uids += generator.insert([prompt], max_tokens=[max_tokens[i]],
+                                 samplers=[sampler or make_sampler(0.0)],
+                                 logits_processors=[(processors or [[]] * len(prompts))[i]])
+    mlx_lm_server._routing.options = None
+    return uids
+
+
+def drain(generator, results: dict, steps: int | None = None) -> None:
+    """Collect generated tokens per uid until the generator is idle (or for ``steps`` calls)."""
+    n = 0
+    while steps is None or n < steps:
+        responses = generator.next_generated()
+        n += 1
+        if not responses:
+            return
+        for r in responses:
+            results.setdefault(r.uid, []).append(r.token)
+
+
+@pytest.mark.parametrize("depth", [1, 3, 0])
+def test_rows_decode_as_stock_alone(trained, depth):
+    """Mixed prompt lengths and max_tokens, one row with a repetition penalty, one with MTP off; depth 0: adaptive."""
+    model, tokenizer = trained
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    processors = [[], make_logits_processors(repetition_penalty=1.3), [], [], [], []]
+    options = [MTPRequest(True, depth), MTPRequest(True, depth), MTPRequest(False), None, MTPRequest(True, depth),
+               MTPRequest(True, depth)]
+    generator = mtp_generator(model)
+    uids = insert(generator, prompts, MAX_TOKENS, options, processors)
+    results = {}
+    drain(generator, results)
+    assert [results[uid] for uid in uids] == stock_tokens(model, prompts, MAX_TOKENS, processors)
+    assert options[0].stats.drafted > 0 and options[0].stats.accepted > 0
+    assert options[2].stats is None  # MTP off: plain tokens in the same verify passes
+    if depth:
+        assert set(options[0].stats.depths) == {depth}
+
+
+def test_rows_join_and_leave_between_cycles(trained):
+    """Rows join one by one while others decode (each prefilled alone, as a request arriving on its own); a
+    cancelled row leaves; the others are undisturbed and their caches equal a replay of their tokens."""
+    model, tokenizer = trained
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    generator = mtp_generator(model)
+    results, uids = {}, []
+    options = [MTPRequest(True, 2), MTPRequest(True, 2), MTPRequest(True, 3), None, None, MTPRequest(True, 1)]
+    for i in range(len(prompts)):
+        uids += insert(generator, prompts[i : i + 1], MAX_TOKENS[i : i + 1], options[i : i + 1])
+        drain(generator, results, steps=2)
+        if i == 3:
+            cancelled = uids[1]
+            generator.remove([cancelled])
+    for uid, (cache, tokens) in generator.extract_cache(uids).items():
+        replay = make_prompt_cache(model)
+        model(mx.array(tokens)[None], cache=replay)
+        for got, want in zip(cache_arrays(cache), cache_arrays(replay), strict=True):
+            np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-3)
+    drain(generator, results)
+    for uid, prompt, n in zip(uids, prompts, MAX_TOKENS, strict=True):
+        (want,) = stock_tokens(model, [prompt], [n])
+        assert results[uid] == (want[: len(results[uid])] if uid == cancelled else want)
+    assert len(results[cancelled]) < MAX_TOKENS[1]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A small-vocabulary float32 model with a random head: drafts are accepted and rejected often."""
+    config = config_for("qwen3_5")
+    config["text_config"]["vocab_size"] = VOCAB
+    built = build_model(config, seed=3)
+    path = save_checkpoint(tmp_path_factory.mktemp("small"), config, trunk_weights(built),
+                           build_head(built, config), "mtp.safetensors")
+    return load_model(path)[0]
+
+
+def test_sampled_rows_keep_the_trunk_distribution(small):
+    """Four sampled rows (depth 2) and a greedy row per batch: tokens 2 and 3 of the sampled rows follow the
+    exact marginals of the trunk's distribution (chi-square), and the greedy row stays the trunk's argmax."""
+    temp, runs, rows = 1.0, 300, 4
+    sampler = make_sampler(temp=temp)
+    mx.random.seed(99)
+    (greedy,) = stock_tokens(small, [PROMPT], [3])
+    second, third, drafted, accepted = [], [], 0, 0
+    for _ in range(runs):
+        generator = mtp_generator(small)
+        options = [MTPRequest(True, 2) for _ in range(rows)]
+        uids = insert(generator, [PROMPT] * rows, [3] * rows, options, sampler=sampler)
+        (greedy_uid,) = insert(generator, [PROMPT], [3], [MTPRequest(True, 2)])
+        results = {}
+        drain(generator, results)
+        assert results[greedy_uid] == greedy
+        second += [results[u][1] for u in uids]
+        third += [results[u][2] for u in uids]
+        drafted += sum(o.stats.drafted for o in options)
+        accepted += sum(o.stats.accepted for o in options)
+    assert 0 < accepted < drafted
+    m2, m3 = exact_marginals(small, temp, 0)
+    assert chi_square_p(np.array(second), m2) > 1e-3
+    assert chi_square_p(np.array(third), m3) > 1e-3
