@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mtp_plugin.batching import BatchDrafter, Row
+from mtp_plugin.batching import BatchDrafter, Row, Step
 from mtp_plugin.controller import DepthController
 from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH
 from mtp_plugin.drafter import Drafter
@@ -182,7 +182,10 @@ class MTPGenerationBatch:
     """mlx-lm's ``GenerationBatch`` interface (``uids``, ``prompt_cache``, ``tokens``, ``extend``, ``filter``,
     ``extract_cache``, ``next``), decoding every row with MTP cycles.
 
-    ``tokens[i]`` always lists the tokens in row i's trunk cache (its newest emitted token is not yet in it).
+    ``tokens[i]`` always lists the tokens in row i's trunk cache. Between cycles a row's newest emitted token
+    (``Row.last``) is not in it; while every row decodes plain, steps are pipelined as mlx-lm's own
+    ``GenerationBatch`` does (``ahead``: the step on every row's ``last`` is queued before its token is read), and
+    the call that returns to drafting emits the queued tokens first.
     """
 
     def __init__(self, model, fallback_sampler):
@@ -194,6 +197,8 @@ class MTPGenerationBatch:
         self.samplers, self.logits_processors, self.max_tokens, self.stops = [], [], [], []
         self.matchers, self.num_tokens = [], []
         self.head_cache = None
+        self.ahead: Step | None = None  # queued plain step: every row's ``last`` fed, its next token not yet read
+        self.asked: list[int] | None = None  # depths asked of the policy for a cycle that has not run yet
 
     @classmethod
     def empty(cls, model, fallback_sampler):
@@ -234,6 +239,9 @@ class MTPGenerationBatch:
         for name in ("uids", "tokens", "rows", "samplers", "logits_processors", "max_tokens", "stops",
                      "matchers", "num_tokens"):
             getattr(self, name).extend(getattr(batch, name))
+        if self.ahead is not None:  # pipelined plain steps: the new rows' step is queued to join them
+            self.ahead = self.ahead.join(self._feed_last(context_of(self), batch))
+        self.asked = None  # the policy is asked again for the larger batch
         self.prompt_cache = _extend_cache(self.prompt_cache, batch.prompt_cache)
         if self.head_cache is None:
             self.head_cache = batch.head_cache
@@ -248,8 +256,12 @@ class MTPGenerationBatch:
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in keep])
         if not keep:
-            self.prompt_cache, self.head_cache = [], None
+            self.prompt_cache, self.head_cache, self.ahead, self.asked = [], None, None, None
             return
+        if self.ahead is not None:
+            self.ahead = self.ahead.rows(keep)
+        if self.asked is not None:
+            self.asked = [self.asked[i] for i in keep]
         for c in self.prompt_cache:
             c.filter(keep)
         self.head_cache.filter(keep)
@@ -263,44 +275,101 @@ class MTPGenerationBatch:
         auto = policy.next_depth() if any(r.depth is None for r in self.rows) else None
         return [auto if r.depth is None else r.depth for r in self.rows]
 
+    def _finish(self, i: int, block: list[int]) -> tuple[int, str | None]:
+        """How many of row i's block tokens it emits, and why it finishes (None: it goes on), by mlx-lm's
+        rules applied token by token: ``max_tokens`` ("length"), then the stop sequences ("stop")."""
+        for j, token in enumerate(block):
+            self.num_tokens[i] += 1
+            reason = "length" if self.num_tokens[i] >= self.max_tokens[i] else None
+            if self.matchers[i].advance(token):
+                reason = "stop"
+            if reason is not None:
+                return j + 1, reason
+        return len(block), None
+
     def next(self) -> list:
-        """One cycle: every row's accepted block, one mlx-lm ``Response`` per token."""
+        """One cycle (or, when no row drafts, one plain step pipelined as mlx-lm's): mlx-lm ``Response``s, one per
+        token of every row's block."""
         if not self.uids:
             return []
-        ctx = context_of(self)
-        start = time.perf_counter()
+        ctx, start = context_of(self), time.perf_counter()
         policy = ctx.policy(len(self.rows))
-        depths = self._depths(policy)
+        depths, self.asked = self.asked or self._depths(policy), None
+        if max(depths) == 0:
+            return self._plain(ctx, policy, start)
+        if self.ahead is not None:  # leave pipelined plain steps: emit the queued tokens, draft next call
+            self.asked = depths
+            return self._settle(ctx)
+        return self._cycle(ctx, policy, depths, start)
+
+    def _cycle(self, ctx: BatchContext, policy, depths: list[int], start: float) -> list:
         verified = ctx.drafter.cycle(self.rows, self.prompt_cache, self.head_cache, depths)
-        emitted, finished = [], []
-        for i in range(len(self.uids)):
-            reason, block = None, verified.blocks[i]
-            for j, token in enumerate(block):
-                self.num_tokens[i] += 1
-                reason = "length" if self.num_tokens[i] >= self.max_tokens[i] else None
-                if self.matchers[i].advance(token):
-                    reason = "stop"
-                if reason is not None:
-                    break
-            emitted.append(j + 1)
-            finished.append(reason)
+        emitted, finished = zip(*(self._finish(i, block) for i, block in enumerate(verified.blocks)), strict=True)
         for i, row in enumerate(self.rows):
             self.tokens[i] += [row.last, *verified.blocks[i][: emitted[i] - 1]]
         ctx.drafter.commit(self.rows, self.prompt_cache, self.head_cache, verified, emitted)
         seconds = (time.perf_counter() - start) / len(self.rows)
-        responses, keep = [], []
-        for i, uid in enumerate(self.uids):
-            row, d, a = self.rows[i], verified.depths[i], verified.accepted[i]
+        for i, row in enumerate(self.rows):
+            d, a = verified.depths[i], verified.accepted[i]
             if d:
                 row.stats.record(min(a, emitted[i]), emitted[i], d)
             else:
                 row.stats.plain += 1
             if row.depth is None:
                 policy.observe(d, a, seconds)
-            for j, token in enumerate(verified.blocks[i][: emitted[i]]):
-                final = j == emitted[i] - 1 and finished[i] is not None
+        blocks = [block[:n] for block, n in zip(verified.blocks, emitted, strict=True)]
+        return self._respond(ctx, blocks, verified.logprobs, finished)
+
+    def _plain(self, ctx: BatchContext, policy, start: float) -> list:
+        """Emit the queued plain step's tokens after queueing the next step on them (mlx-lm's pipelining)."""
+        if self.ahead is None:
+            self.ahead = self._feed_last(ctx, self)
+        step = self.ahead
+        self.ahead = ctx.drafter.plain(self.rows, self.prompt_cache, step.tokens)
+        tokens = self._take(step)
+        for i in range(len(self.rows)):
+            self.tokens[i].append(tokens[i])  # fed by the queued step
+        seconds = (time.perf_counter() - start) / len(self.rows)
+        for row in self.rows:
+            if row.depth is None:
+                policy.observe(0, 0, seconds)
+        return self._emit_step(ctx, step, tokens)
+
+    def _settle(self, ctx: BatchContext) -> list:
+        """Emit the queued plain step's tokens without queueing another: every row's ``last`` is unfed again."""
+        step, self.ahead = self.ahead, None
+        return self._emit_step(ctx, step, self._take(step))
+
+    @staticmethod
+    def _feed_last(ctx: BatchContext, batch) -> Step:
+        """Queue a plain step on every row's ``last`` (unfed) of ``batch``."""
+        last = [row.last for row in batch.rows]
+        for i, token in enumerate(last):
+            batch.tokens[i].append(token)
+        return ctx.drafter.plain(batch.rows, batch.prompt_cache, mx.array(last, dtype=mx.uint32))
+
+    def _take(self, step: Step) -> list[int]:
+        """Read a plain step's tokens: each becomes its row's ``last``, paired for the head with the hidden state
+        of the token it follows."""
+        tokens = step.tokens.tolist()
+        for i, row in enumerate(self.rows):
+            row.pending.append((step.hidden[i : i + 1], step.tokens[i : i + 1]))
+            row.last = tokens[i]
+            row.stats.plain += 1
+        return tokens
+
+    def _emit_step(self, ctx: BatchContext, step: Step, tokens: list[int]) -> list:
+        finished = [self._finish(i, [t])[1] for i, t in enumerate(tokens)]
+        return self._respond(ctx, [[t] for t in tokens], step.logprobs[:, None], finished)
+
+    def _respond(self, ctx: BatchContext, blocks: list[list[int]], logprobs: mx.array, finished) -> list:
+        """mlx-lm ``Response``s for every row's emitted ``blocks`` (log-probs (B, L, V)); finished rows leave."""
+        responses, keep = [], []
+        for i, uid in enumerate(self.uids):
+            for j, token in enumerate(blocks[i]):
+                final = j == len(blocks[i]) - 1 and finished[i] is not None
                 responses.append(self.response(
-                    uid=uid, token=token, logprobs=verified.logprobs[i, j],
+                    uid=uid, token=token, logprobs=logprobs[i, j],
                     finish_reason=finished[i] if final else None,
                     prompt_cache=self.extract_cache(i) if final else None,
                     all_tokens=self.tokens[i] if final else None,

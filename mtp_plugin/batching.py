@@ -73,6 +73,26 @@ class Verified:
     recorder: rollback.Recorder | None  # None for an all-plain step (nothing to roll back)
 
 
+@dataclass
+class Step:
+    """A queued plain step of every row: the fed tokens' hidden states, the log-probs after them, the next tokens."""
+
+    hidden: mx.array  # (B, 1, H)
+    logprobs: mx.array  # (B, V)
+    tokens: mx.array  # (B,) uint32, lazy until read
+
+    def rows(self, keep: list[int]) -> Step:
+        """The step of rows ``keep`` only."""
+        index = mx.array(keep)
+        return Step(self.hidden[index], self.logprobs[index], self.tokens[index])
+
+    def join(self, other: Step) -> Step:
+        """This step's rows, then ``other``'s."""
+        return Step(*(mx.concatenate([a, b]) for a, b in ((self.hidden, other.hidden),
+                                                          (self.logprobs, other.logprobs),
+                                                          (self.tokens, other.tokens))))
+
+
 class BatchDrafter:
     """Runs cycles over a batch of rows.
 
@@ -141,10 +161,37 @@ class BatchDrafter:
         return log_softmax(logits)
 
     def _pick(self, row: Row, logprobs: mx.array) -> mx.array:
-        """One plain token (1,) from log-probs (1, V): the row's own sampler, else argmax."""
+        """Plain tokens (N,) from log-probs (N, V): the row's own sampler, else argmax."""
         if row.sampler is None:
             return mx.argmax(logprobs, axis=-1)
-        return row.sampler(logprobs).reshape(1)
+        return row.sampler(logprobs).reshape(-1)
+
+    def plain(self, rows: list[Row], cache: list, inputs: mx.array) -> Step:
+        """Queue one plain step (no drafting) of every row, as mlx-lm's ``GenerationBatch`` steps: feed ``inputs``
+        (B,), apply each row's processors (its history grows by its input) and sampler.
+
+        Returns:
+            The ``Step``, evaluated asynchronously.
+        """
+        hidden = self.trunk.hidden(inputs[:, None], cache)
+        logits = self.trunk.trunk_logits(hidden)[:, -1]
+        if any(row.processors for row in rows):
+            rows_logprobs = []
+            for i, row in enumerate(rows):
+                rows_logprobs.append(self._logprobs(row, logits[i : i + 1], inputs[i : i + 1]))
+                if row.processors:
+                    row.history = mx.concatenate([row.history, inputs[i : i + 1]])
+            logprobs = mx.concatenate(rows_logprobs)
+        else:
+            logprobs = log_softmax(logits)
+        samplers = {id(row.sampler) for row in rows}
+        if len(samplers) == 1:
+            tokens = self._pick(rows[0], logprobs)
+        else:
+            tokens = mx.concatenate([self._pick(row, logprobs[i : i + 1]) for i, row in enumerate(rows)])
+        step = Step(hidden, logprobs, tokens.astype(mx.uint32))
+        mx.async_eval(step.tokens, step.logprobs)
+        return step
 
     def cycle(self, rows: list[Row], cache: list, head_cache, depths: list[int]) -> Verified:
         """Queue and run one cycle: draft, verify in one trunk pass, accept per row (one host sync).

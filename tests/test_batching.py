@@ -17,11 +17,10 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import load_model
-from test_sampling import PROMPT, VOCAB, chi_square_p, exact_marginals
-
 from mtp_plugin.adapters import mlx_lm_server
 from mtp_plugin.adapters.mlx_lm_server import MTPRequest
 from mtp_plugin.adapters.patching import release
+from test_sampling import PROMPT, VOCAB, chi_square_p, exact_marginals
 
 # mlx-lm < 0.32 pollutes the GatedDeltaNet state of right-padded prompt rows (its ArraysCache mask ignores the
 # prompt lengths), so its own batched output differs from a request served alone; there the reference of a batch
@@ -109,21 +108,41 @@ def test_rows_decode_as_stock_alone(trained, depth):
         assert set(options[0].stats.depths) == {depth}
 
 
-def test_rows_join_and_leave_between_cycles(trained):
+class Schedule:
+    """A depth policy that plays a fixed sequence of depths (0: plain steps), to force every transition."""
+
+    def __init__(self, depths):
+        self.depths, self.asked = depths, 0
+
+    def next_depth(self):
+        self.asked += 1
+        return self.depths[(self.asked - 1) % len(self.depths)]
+
+    def observe(self, depth, accepted, seconds):
+        pass
+
+
+@pytest.mark.parametrize("schedule", [None, [0, 0, 0, 2, 2, 0, 1, 0, 3, 0, 0]], ids=["own-depths", "plain-and-back"])
+def test_rows_join_and_leave_between_cycles(trained, monkeypatch, schedule):
     """Rows join one by one while others decode (each prefilled alone, as a request arriving on its own); a
-    cancelled row leaves; the others are undisturbed and their caches equal a replay of their tokens."""
+    cancelled row leaves; the others are undisturbed and their caches equal a replay of their tokens. With a
+    schedule, every row follows the batch policy through pipelined plain steps and back to drafting."""
     model, tokenizer = trained
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     generator = mtp_generator(model)
     results, uids = {}, []
     options = [MTPRequest(True, 2), MTPRequest(True, 2), MTPRequest(True, 3), None, None, MTPRequest(True, 1)]
+    if schedule is not None:
+        policy = Schedule(schedule)
+        monkeypatch.setattr(type(model.mtp_head.batching), "policy", lambda self, rows: policy)
+        options = [None] * len(prompts)
     for i in range(len(prompts)):
         uids += insert(generator, prompts[i : i + 1], MAX_TOKENS[i : i + 1], options[i : i + 1])
         drain(generator, results, steps=2)
         if i == 3:
             cancelled = uids[1]
             generator.remove([cancelled])
-    for uid, (cache, tokens) in generator.extract_cache(uids).items():
+    for cache, tokens in generator.extract_cache(uids).values():
         replay = make_prompt_cache(model)
         model(mx.array(tokens)[None], cache=replay)
         for got, want in zip(cache_arrays(cache), cache_arrays(replay), strict=True):
