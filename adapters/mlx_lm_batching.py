@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -35,14 +36,18 @@ from mtp_plugin.tuning import start_depth
 from .mlx_lm_decoding import CAPTURED, CLI, LINEAR_ATTENTION_MODULE, SAMPLINGS
 
 log = logging.getLogger("mtp_plugin")
+STORED_HEADS = 32  # finished requests whose head caches are kept for requests that reuse their prompt caches
 
 
 @dataclass
 class HeadRow:
-    """A request's head while its prompt is processed: its own KV cache and the last unpaired hidden state."""
+    """A request's head while its prompt is processed: its own KV cache, the last unpaired hidden state, and
+    whether its cache holds the pair of every context position from the first (not so after a reused prompt
+    cache the head had no pairs for)."""
 
     drafter: Drafter
     carry: mx.array | None = None
+    whole: bool = True
 
 
 @dataclass
@@ -58,17 +63,49 @@ class BatchContext:
     policies: dict = field(default_factory=dict)  # batch size class (B.bit_length()) -> DepthController
     options: dict = field(default_factory=dict)  # uid -> the server's MTPRequest (or None)
     heads: dict = field(default_factory=dict)  # uid -> HeadRow
+    store: OrderedDict = field(default_factory=OrderedDict)  # tokens -> head of a finished request (``remember``)
     cycles: int = 0
     row_cycles: int = 0
     tokens: int = 0
 
-    def head_row(self, uid: int) -> HeadRow:
-        """The head of request ``uid`` (created empty)."""
+    def head_row(self, uid: int, prefix: list[int]) -> HeadRow:
+        """The head of request ``uid``, created on first use for a row whose trunk cache already holds ``prefix``
+        (a reused prompt cache): the head's pairs for that prefix when a finished request left them, else none."""
         from mlx_lm.models.cache import KVCache
 
         if uid not in self.heads:
-            self.heads[uid] = HeadRow(Drafter(self.drafter.head, self.trunk, KVCache()))
+            row = self.heads[uid] = HeadRow(Drafter(self.drafter.head, self.trunk, KVCache()), whole=not prefix)
+            if prefix:
+                self.recall(prefix, row)
         return self.heads[uid]
+
+    def remember(self, tokens: list[int], cache, pending: list) -> None:
+        """Keep the head of a finished request whose trunk cache holds ``tokens`` and whose head holds the pair
+        of every position from the first: its KV cache and its pairs not yet fed (``Row.pending``)."""
+        hidden = mx.concatenate([h for h, _ in pending], axis=1) if pending else None
+        following = mx.concatenate([t for _, t in pending]) if pending else None
+        self.store[tuple(tokens)] = (cache, hidden, following)
+        self.store.move_to_end(tuple(tokens))
+        while len(self.store) > STORED_HEADS:
+            self.store.popitem(last=False)
+
+    def recall(self, prefix: list[int], row: HeadRow) -> None:
+        """Give ``row`` the pairs of positions 0 … len(prefix)-2 and, as its carry, the hidden state of the last
+        position, from the latest remembered request that began with ``prefix``."""
+        key = tuple(prefix)
+        entry = next((v for k, v in reversed(self.store.items()) if k[: len(key)] == key), None)
+        if entry is None:
+            return
+        cache, hidden, following = entry
+        fed, last = cache.offset, len(prefix) - 1  # pairs in the cache; position of the prefix's last token
+        keep = min(fed, last)
+        if keep:
+            row.drafter.cache.update_and_fetch(cache.keys[..., :keep, :], cache.values[..., :keep, :])
+        if last < fed or hidden is None:  # the last position's hidden state is gone: one pair will be missing
+            return
+        if last > fed:
+            row.drafter.feed(hidden[:, : last - fed], following[: last - fed])
+        row.carry, row.whole = hidden[:, last - fed : last - fed + 1], True
 
     def policy(self, rows: int) -> DepthController:
         """The depth policy of batches of ``rows`` rows (1, 2-3, 4-7, 8-15, …)."""
@@ -118,8 +155,8 @@ class _Capture:
     """Stands in for the model during ``PromptProcessingBatch.prompt``: runs the trunk for its hidden states
     and feeds each row's valid positions (right padding excluded) to that row's head."""
 
-    def __init__(self, ctx: BatchContext, uids: list[int], tokens: list[list[int]]):
-        self.ctx, self.uids, self.tokens, self.done = ctx, uids, tokens, 0
+    def __init__(self, ctx: BatchContext, uids: list[int], prefixes: list[list[int]], tokens: list[list[int]]):
+        self.ctx, self.uids, self.prefixes, self.tokens, self.done = ctx, uids, prefixes, tokens, 0
 
     def __call__(self, inputs: mx.array, cache=None):
         hidden = self.ctx.trunk.hidden(inputs, cache)
@@ -128,7 +165,7 @@ class _Capture:
             valid = max(0, min(n, len(self.tokens[i]) - self.done))
             if not valid:
                 continue
-            row = self.ctx.head_row(uid)
+            row = self.ctx.head_row(uid, self.prefixes[i])
             chunk = mx.array(self.tokens[i][self.done : self.done + valid], dtype=mx.uint32)
             row.carry = row.drafter.prefill(row.carry, hidden[i : i + 1, :valid], chunk)
             states += [row.carry, row.drafter.cache.state]
@@ -145,7 +182,8 @@ def capture_prompt(prompt):
         ctx = context_of(self)
         if ctx is None or not tokens:
             return prompt(self, tokens, *args, **kwargs)
-        model, self.model = self.model, _Capture(ctx, list(self.uids), [list(t) for t in tokens])
+        prefixes = [list(t) for t in self.tokens]  # what each row's cache held before this call
+        model, self.model = self.model, _Capture(ctx, list(self.uids), prefixes, [list(t) for t in tokens])
         try:
             return prompt(self, tokens, *args, **kwargs)
         finally:
@@ -224,11 +262,13 @@ class MTPGenerationBatch:
         self.num_tokens += [0] * len(prompts.uids)
         heads = []
         for i, uid in enumerate(prompts.uids):
-            head = ctx.head_row(uid)
+            head = ctx.head_row(uid, prompts.tokens[i])
             del ctx.heads[uid]
             heads.append(head.drafter.cache)
-            self.rows.append(_row(ctx, uid, last[i], head.carry, self.samplers[i], self.logits_processors[i],
-                                  self.tokens[i]))
+            row = _row(ctx, uid, last[i], head.carry, self.samplers[i], self.logits_processors[i],
+                       prompts.tokens[i])
+            row.head_whole = head.whole
+            self.rows.append(row)
         self.head_cache = KVCache.merge(heads)
         log.debug("mtp_plugin: %d rows join MTP decoding", len(prompts.uids))
 
@@ -376,6 +416,8 @@ class MTPGenerationBatch:
                     **self.matchers[i].fields()))
             if finished[i] is None:
                 keep.append(i)
+            elif self.rows[i].head_whole:
+                ctx.remember(self.tokens[i], self.head_cache.extract(i), self.rows[i].pending)
         ctx.cycles += 1
         ctx.row_cycles += len(self.uids)
         ctx.tokens += len(responses)

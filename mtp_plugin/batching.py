@@ -44,6 +44,8 @@ class Row:
         depth: 0 never drafts (MTP off, or a sampler with no known distribution); 1..8 a fixed draft depth;
             None follows the batch's depth policy.
         stats: this row's MTP counters.
+        head_whole: whether the head's cache holds a pair for every context position from the first (a runtime
+            may keep such a cache for later requests that reuse this one's context).
     """
 
     last: int
@@ -54,6 +56,7 @@ class Row:
     history: mx.array | None = None
     depth: int | None = None
     stats: MTPStats = field(default_factory=MTPStats)
+    head_whole: bool = True
 
     def pairs(self) -> int:
         """Number of pending head pairs."""

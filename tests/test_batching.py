@@ -189,3 +189,34 @@ def test_sampled_rows_keep_the_trunk_distribution(small):
     m2, m3 = exact_marginals(small, temp, 0)
     assert chi_square_p(np.array(second), m2) > 1e-3
     assert chi_square_p(np.array(third), m3) > 1e-3
+
+
+def test_reused_prompt_cache_brings_the_head_history(trained):
+    """A follow-up request that reuses a finished request's cache (as the server's prompt cache hands it over)
+    gets the head's pairs for that prefix too: the same head cache as a fresh request over the whole prompt."""
+    model, tokenizer = trained
+    generator, finals = mtp_generator(model), {}
+    (first,) = insert(generator, [tokenizer.encode(PROMPTS[1])], [24], [MTPRequest(True, 2)])
+    while responses := generator.next_generated():
+        finals.update({r.uid: r for r in responses if r.finish_reason})
+    prefix, cache = finals[first].all_tokens, finals[first].prompt_cache
+    follow = tokenizer.encode("\n\n\ndef load(path):\n    return")
+
+    def head_after_prompt(caches, all_tokens, prompt):
+        generator = mtp_generator(model)
+        generator.insert([prompt], max_tokens=[4], caches=caches, all_tokens=all_tokens,
+                         samplers=[make_sampler(0.0)])
+        while not len(generator._generation_batch):
+            generator.next()
+        batch = generator._generation_batch
+        return batch.head_cache.extract(0), batch.rows[0].head_whole
+
+    reused, whole = head_after_prompt([cache], [list(prefix)], follow)
+    fresh, _ = head_after_prompt(None, None, list(prefix) + follow)
+    assert whole and reused.offset == fresh.offset == len(prefix) + len(follow) - 2
+    for got, want in ((reused.keys, fresh.keys), (reused.values, fresh.values)):
+        np.testing.assert_allclose(np.array(got[..., : fresh.offset, :]), np.array(want[..., : fresh.offset, :]),
+                                   atol=2e-4, rtol=2e-3)
+    model.mtp_head.batching.store.clear()
+    forgotten, whole = head_after_prompt([finals[first].prompt_cache], [list(prefix)], follow)
+    assert not whole and forgotten.offset == len(follow) - 2  # only the new tokens: no pairs for the prefix

@@ -1,0 +1,182 @@
+"""Server load benchmark: stock ``mlx_lm.server`` against the plugin's, same model, same mixed workload.
+
+    python benchmarks/server_load.py [--model examples/tiny-qwen3_5/hf] [--concurrency 1 2 4 8]
+                                     [--requests 4] [--repeats 2] [--time-cap 600] [--out benchmarks/results]
+
+Starts both servers on loopback ports (the stock one with ``MTP_PLUGIN_DISABLE=1``), then for each concurrency
+c runs c clients, each sending ``--requests`` greedy completions that alternate long (128 tokens) and short
+(16 tokens) code prompts, against each server in turn (interleaved, ``--repeats`` times). Prints, per c, the
+aggregate tokens/s of each server and their ratio, the p50/p95 latency of the short requests (they arrive
+while long ones decode) and their ratio, and the plugin's acceptance and drafted tokens per generated token
+(``timings`` of its responses). Ratios are medians over repeats of one run. Bounded: a fixed number of
+requests, ``--time-cap`` seconds in all, loopback only.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tqdm import tqdm
+
+from mtp_plugin import tuning
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["def read_config(path):\n", "import os\n\n\ndef main():\n", "class Parser:\n    def __init__(self",
+           "for line in lines:\n", "    return self._", "# Copyright\nimport sys\n"]
+LONG, SHORT = 128, 16
+
+
+class Server:
+    """An ``mlx_lm.server`` subprocess on a free loopback port."""
+
+    def __init__(self, model: Path, stock: bool, log: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k != "MTP_PLUGIN_DISABLE"}
+        if stock:
+            env["MTP_PLUGIN_DISABLE"] = "1"
+        command = [str(Path(sys.executable).parent / "mlx_lm.server"), "--model", str(model),
+                   "--host", "127.0.0.1", "--port", str(self.port)]
+        self.log = log.open("w")
+        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=5)
+                return
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"server did not start; see {log}") from None
+                time.sleep(0.3)
+
+    def complete(self, body: dict) -> tuple[float, dict]:
+        """Seconds to the whole answer, and the answer."""
+        data = json.dumps(body).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=data,
+                                         headers={"Content-Type": "application/json"})
+        start = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=600) as r:
+            answer = json.loads(r.read())
+        return time.perf_counter() - start, answer
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        self.log.close()
+
+
+def workload(clients: int, requests: int) -> list[list[dict]]:
+    """Per client, its requests in order: long and short alternating (odd clients start short)."""
+    out = []
+    for c in range(clients):
+        bodies = []
+        for i in range(requests):
+            n = LONG if (i + c) % 2 == 0 else SHORT
+            bodies.append({"prompt": PROMPTS[(c + i) % len(PROMPTS)], "max_tokens": n, "temperature": 0.0})
+        out.append(bodies)
+    return out
+
+
+def run_load(server: Server, load: list[list[dict]]) -> dict:
+    """Run every client's requests concurrently; aggregate tokens/s, short-request latencies, draft counters."""
+    def client(bodies):
+        return [(body["max_tokens"], *server.complete(body)) for body in bodies]
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(load)) as pool:
+        answers = [a for done in pool.map(client, load) for a in done]
+    wall = time.perf_counter() - start
+    tokens = sum(a["usage"]["completion_tokens"] for _, _, a in answers)
+    short = sorted(seconds for n, seconds, _ in answers if n == SHORT)
+    timings = [a.get("timings", {}) for _, _, a in answers]
+    return {"tok_s": tokens / wall, "tokens": tokens, "short": short,
+            "drafted": sum(t.get("draft_n", 0) for t in timings),
+            "accepted": sum(t.get("draft_n_accepted", 0) for t in timings)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
+
+
+def main() -> None:
+    """Parse arguments, run both servers through every concurrency, print (and maybe write) the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=REPO / "examples" / "tiny-qwen3_5" / "hf")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--requests", type=int, default=4, help="requests per client (default 4)")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per server and concurrency")
+    parser.add_argument("--time-cap", type=float, default=600.0, help="seconds for the whole benchmark")
+    parser.add_argument("--out", type=Path, help="directory for the dated result file")
+    args = parser.parse_args()
+    if min(args.concurrency) < 1 or args.requests < 1 or args.repeats < 1:
+        parser.error("--concurrency, --requests and --repeats must be at least 1")
+
+    logs = Path(tempfile.mkdtemp(prefix="mtp-server-load-"))
+    servers = {"stock": Server(args.model, True, logs / "stock.log"),
+               "plugin": Server(args.model, False, logs / "plugin.log")}
+    deadline = time.monotonic() + args.time_cap
+    rows = []
+    try:
+        for server in servers.values():  # warm up each server once (model load, first compile)
+            run_load(server, workload(1, 1))
+        steps = [(c, r) for c in args.concurrency for r in range(args.repeats)]
+        results = {c: {"stock": [], "plugin": []} for c in args.concurrency}
+        for c, r in tqdm(steps, desc="server load", unit="run"):
+            if time.monotonic() > deadline:
+                print(f"time cap reached at concurrency {c}, repeat {r}", file=sys.stderr)
+                break
+            order = ("stock", "plugin") if r % 2 == 0 else ("plugin", "stock")
+            for name in order:
+                results[c][name].append(run_load(servers[name], workload(c, args.requests)))
+        for c in args.concurrency:
+            stock, plugin = results[c]["stock"], results[c]["plugin"]
+            if not stock or len(stock) != len(plugin):
+                continue
+            ratios = [p["tok_s"] / s["tok_s"] for s, p in zip(stock, plugin, strict=True)]
+            p50 = [percentile(p["short"], 50) / percentile(s["short"], 50) for s, p in zip(stock, plugin, strict=True)]
+            drafted, accepted = sum(p["drafted"] for p in plugin), sum(p["accepted"] for p in plugin)
+            tokens = sum(p["tokens"] for p in plugin)
+            rows.append((c, statistics.median(s["tok_s"] for s in stock), statistics.median(p["tok_s"] for p in plugin),
+                         statistics.median(ratios),
+                         statistics.median(percentile(s["short"], 50) for s in stock),
+                         statistics.median(percentile(p["short"], 50) for p in plugin), statistics.median(p50),
+                         statistics.median(percentile(s["short"], 95) for s in stock),
+                         statistics.median(percentile(p["short"], 95) for p in plugin),
+                         accepted / drafted if drafted else 0.0, drafted / tokens if tokens else 0.0))
+    finally:
+        for server in servers.values():
+            server.stop()
+
+    header = [f"server load: {args.model.name}, greedy, {args.requests} requests per client (long {LONG} / short "
+              f"{SHORT} tokens alternating), median of {args.repeats} interleaved runs",
+              f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+              f"machine: {json.dumps(tuning.machine())}, {os.cpu_count()} CPUs",
+              f"versions: {json.dumps(tuning.versions())}",
+              "clients  stock tok/s  plugin tok/s  ratio | short p50 s: stock plugin ratio | short p95 s: stock plugin"
+              " | acceptance drafted/token"]
+    lines = [f"{c:7d}  {s:11.1f}  {p:12.1f}  {ratio:5.2f} | {s50:18.3f} {p50:6.3f} {r50:5.2f} | "
+             f"{s95:18.3f} {p95:6.3f} | {acc:10.2f} {per:15.2f}"
+             for c, s, p, ratio, s50, p50, r50, s95, p95, acc, per in rows]
+    text = "\n".join(header + lines) + "\n"
+    print(text, end="")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        device = tuning.machine()["device_name"].replace(" ", "-")
+        path = args.out / f"{datetime.date.today().isoformat()}-{device}-server-load-{args.model.name}.txt"
+        path.write_text(text)
+        print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()
