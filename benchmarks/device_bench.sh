@@ -5,7 +5,8 @@
 #   PYTHON=/path/to/python benchmarks/device_bench.sh   # a Python that already has mlx[cuda], mlx-lm, mlx-vlm
 #
 # Prints the bench report (tok/s plain, each depth, adaptive; acceptance; cost ratios; efficiency) and
-# writes it to benchmarks/results/. Budget: under 5 minutes in all.
+# writes it to benchmarks/results/; then the server load benchmark (stock vs plugin server at 1, 2, 4, 8
+# clients). Budget: under 5 minutes in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,3 +21,4 @@ timeout 60 "$PYTHON" -m pip install -q --no-deps --force-reinstall . \
 "$PYTHON" -c "import mlx.core as mx; d = mx.default_device(); print('MLX device:', d, mx.device_info()); \
 assert d.type == mx.gpu, 'MLX is not using the GPU (install mlx[cuda])'"
 timeout 180 "$PYTHON" examples/bench.py --dtype bfloat16 --depths 3 --max-tokens 128 --repeats 3 --out benchmarks/results
+timeout 150 "$PYTHON" benchmarks/server_load.py --requests 2 --repeats 1 --time-cap 120 --out benchmarks/results

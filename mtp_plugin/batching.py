@@ -114,17 +114,17 @@ class BatchDrafter:
         width = max(counts)
         if width == 0:
             return None
+        like = next(row.pending[0][0] for row in rows if row.pending)  # (1, n, H): shape and dtype of a pair
         hidden, tokens = [], []
         for row, n in zip(rows, counts, strict=True):
-            h = [c[0] for c in row.pending] or [mx.zeros((1, 0, self.head.fc.weight.shape[0]), mx.float32)]
-            t = [c[1] for c in row.pending] or [mx.zeros((0,), mx.uint32)]
-            h, t = mx.concatenate(h, axis=1), mx.concatenate(t).astype(mx.uint32)
+            if n:
+                h, t = mx.concatenate([c[0] for c in row.pending], axis=1), mx.concatenate([c[1] for c in row.pending])
+            else:
+                h, t = mx.zeros((1, 0, like.shape[2]), like.dtype), mx.zeros((0,), mx.uint32)
             hidden.append(mx.pad(h, [(0, 0), (0, width - n), (0, 0)]))
-            tokens.append(mx.pad(t, [(0, width - n)]))
+            tokens.append(mx.pad(t.astype(mx.uint32), [(0, width - n)]))
             row.pending = []
-        dtype = next(h.dtype for h in hidden if h.size)
-        hidden = mx.concatenate([h.astype(dtype) for h in hidden])
-        tokens = mx.stack(tokens)
+        hidden, tokens = mx.concatenate(hidden), mx.stack(tokens)
         padding = [width - n for n in counts]
         if max(padding):
             head_cache.prepare(right_padding=padding)
