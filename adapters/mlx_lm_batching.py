@@ -64,9 +64,11 @@ class BatchContext:
     options: dict = field(default_factory=dict)  # uid -> the server's MTPRequest (or None)
     heads: dict = field(default_factory=dict)  # uid -> HeadRow
     store: OrderedDict = field(default_factory=OrderedDict)  # tokens -> head of a finished request (``remember``)
-    cycles: int = 0
-    row_cycles: int = 0
+    cycles: int = 0  # batched passes: cycles and plain steps
+    row_cycles: int = 0  # rows × passes
     tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
     def head_row(self, uid: int, prefix: list[int]) -> HeadRow:
         """The head of request ``uid``, created on first use for a row whose trunk cache already holds ``prefix``
@@ -353,6 +355,7 @@ class MTPGenerationBatch:
             d, a = verified.depths[i], verified.accepted[i]
             if d:
                 row.stats.record(min(a, emitted[i]), emitted[i], d)
+                ctx.drafted, ctx.accepted = ctx.drafted + d, ctx.accepted + min(a, emitted[i])
             else:
                 row.stats.plain += 1
             if row.depth is None:
@@ -443,10 +446,11 @@ def _row(ctx: BatchContext, uid: int, last: int, carry, sampler, processors, tok
 
 
 def log_summary(ctx: BatchContext) -> None:
-    """One INFO line on the batched cycles a generator ran (when it closes)."""
+    """One INFO line on the batched passes decoded with a head (when the server stops)."""
     if ctx.cycles:
-        log.info("mtp_plugin: %d batched cycles emitted %d tokens (%.2f tokens per row-cycle)",
-                 ctx.cycles, ctx.tokens, ctx.tokens / max(ctx.row_cycles, 1))
+        log.info("mtp_plugin: batched MTP: %d passes (cycles and plain steps) emitted %d tokens, %.2f per row and "
+                 "pass; drafted %d, accepted %d (acceptance %.3f)", ctx.cycles, ctx.tokens,
+                 ctx.tokens / max(ctx.row_cycles, 1), ctx.drafted, ctx.accepted, ctx.accepted / max(ctx.drafted, 1))
 
 
 class _Matcher:

@@ -162,11 +162,28 @@ def batch_with_mtp(batch_generator):
         generator = batch_generator(wrapped or model, *args, **kwargs)
         if wrapped is not None:
             generator._generation_batch = MTPGenerationBatch.empty(wrapped, generator.sampler)
-            close = generator.close
-            generator.close = lambda: (log_summary(wrapped.mtp_batching), close())
+            served = getattr(_routing, "contexts", None)
+            if served is not None and not any(ctx is wrapped.mtp_batching for ctx in served):
+                served.append(wrapped.mtp_batching)
         return generator
 
     return make
+
+
+def summarize_on_stop(generation_loop):
+    """Wrap ``ResponseGenerator._generate`` (the generation thread): when the server stops, log one INFO line per
+    head that decoded batched cycles."""
+
+    @functools.wraps(generation_loop)
+    def wrapper(self, *args, **kwargs):
+        _routing.contexts = []
+        try:
+            return generation_loop(self, *args, **kwargs)
+        finally:
+            for ctx in _routing.contexts:
+                log_summary(ctx)
+
+    return wrapper
 
 
 def attach_options(insert_segments):
@@ -252,4 +269,5 @@ def patch_server(patches, server) -> None:
     patches.wrap(generate.PromptProcessingBatch, "prompt", capture_prompt)
     patches.wrap(generate.PromptProcessingBatch, "generate", start_generation)
     patches.wrap(server, "BatchGenerator", batch_with_mtp)
+    patches.wrap(server.ResponseGenerator, "_generate", summarize_on_stop)
     patches.wrap(server.ResponseGenerator, "_serve_single", serve_with_options)
