@@ -1,8 +1,9 @@
 """mlx-lm adapter, continuous batching: MTP cycles inside mlx-lm's own ``BatchGenerator``.
 
-``enable(generator)`` turns a ``BatchGenerator`` whose model has a usable head into an MTP one; mlx-lm's
-scheduling (prompt batches, joins between steps, ``remove`` on cancellation, prompt-cache extraction) is
-untouched. Three runtime pieces are replaced or wrapped, only for such a model:
+The server's ``BatchGenerator`` is given ``batching_model(model)`` (the model with a ``BatchContext``) when the
+model has a usable head (``mlx_lm_server.batch_with_mtp``); mlx-lm's scheduling (prompt batches, joins
+between steps, ``remove`` on cancellation, prompt-cache extraction) is untouched. Three runtime pieces are
+replaced or wrapped, only for such a generator's batches:
 
 * ``PromptProcessingBatch.prompt``: the trunk's hidden states of each prompt chunk also feed that row's
   head (per request, its own KV cache), so a row joins decoding with the head's history of its prompt.
@@ -12,7 +13,9 @@ untouched. Three runtime pieces are replaced or wrapped, only for such a model:
   accepted block becomes one mlx-lm ``Response`` per token, with mlx-lm's stop and length rules per token.
 
 The cache behind each finished row holds exactly the tokens its response reports (``all_tokens``): a row
-that stops inside its block keeps only the verified inputs before its final token.
+that stops inside its block keeps only the verified inputs before its final token. A finished row's head
+is remembered (``BatchContext.remember``) so that a request reusing its prompt cache starts with the head's
+history of that context too.
 """
 
 from __future__ import annotations
