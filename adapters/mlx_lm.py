@@ -26,7 +26,7 @@ from .mlx_lm_decoding import (
     print_summary,
 )
 from .mlx_lm_server import patch_server
-from .patching import Patches, version_in_range, wrap_sanitizers
+from .patching import Patches, claiming, version_in_range, wrap_sanitizers
 
 TESTED = ("0.30.7", "0.33")
 _patches = Patches()
@@ -39,7 +39,8 @@ def _keep_head(load_model):
 
     @functools.wraps(load_model)
     def wrapper(model_path, *args, **kwargs):
-        model, config = load_model(model_path, *args, **kwargs)
+        with claiming(model_path):
+            model, config = load_model(model_path, *args, **kwargs)
         attach_head(model, Path(model_path), config)
         return model, config
 

@@ -141,11 +141,30 @@ def reference_means(trunk: dict, roles: dict[str, str]) -> dict[str, float]:
     """
     out = {}
     for head_name, suffix in roles.items():
-        values = [np.asarray(v, dtype=np.float32).mean() for name, v in trunk.items()
-                  if name == suffix or name.endswith("." + suffix)]
+        values = [np.asarray(v, dtype=np.float32).mean() for name, v in trunk.items() if plays_role(name, suffix)]
         if values:
             out[head_name] = float(np.mean(values))
     return out
+
+
+TRUNK_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+
+
+def strip_trunk(name: str) -> str:
+    """A trunk tensor name without its stack prefix, the same for HF and MLX layouts:
+    ``model.language_model.norm.weight`` and ``language_model.model.norm.weight`` are both ``norm.weight``."""
+    for prefix in TRUNK_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def plays_role(name: str, role: str) -> bool:
+    """Whether trunk tensor ``name`` is a norm of ``role`` (``mtp_norm_roles``: ``norm.weight`` the final norm,
+    ``input_layernorm.weight`` every layer's, ``layers.0.input_layernorm.weight`` the first layer's)."""
+    stripped = strip_trunk(name)
+    parts = stripped.split(".", 2)
+    return stripped == role or (len(parts) == 3 and parts[0] == "layers" and parts[2] == role)
 
 
 def declared_norms(metadata: dict) -> dict | str | None:

@@ -17,9 +17,10 @@ from .conventions import (
     describe_quantization,
     quantization_of,
 )
-from .headfile import normalised_head
+from .health import HeadHealth
 from .plugins import hook
 from .stats import MTPStats
+from .validation import validate
 
 log = logging.getLogger("mtp_plugin")
 
@@ -36,6 +37,7 @@ class LoadedHead:
         stats: counters of the last generation that used this head, or None.
         controller: the adaptive depth controller (``controller.DepthController``) of automatic-depth
             generations, created by the first and kept for the next ones (``tuning.depth_policy``).
+        health: lifetime acceptance of the head and whether it is parked (``health.HeadHealth``).
     """
 
     module: nn.Module
@@ -44,30 +46,40 @@ class LoadedHead:
     quantization: dict[str, str] = field(default_factory=dict)
     stats: MTPStats | None = None
     controller: object | None = None
+    health: HeadHealth | None = None
+
+    def __post_init__(self):
+        if self.health is None:
+            self.health = HeadHealth(", ".join(map(str, self.location.files)))
 
     def summary(self) -> str:
-        """One line: where the head came from, its naming, quantization and norm conventions."""
-        files = ", ".join(str(f.relative_to(self.location.model_dir)) for f in self.location.files)
+        """One line: where the head came from, its naming, quantization and norm conventions (and why it is
+        parked, if it is)."""
+        files = ", ".join(self.location.display(f) for f in self.location.files)
         quant = ",".join(sorted(set(self.quantization.values())))
         zero = sum(d.convention == ZERO_CENTRED for d in self.norms.values())
+        parked = f"; parked: {self.health.parked}" if self.health.parked else ""
         return (f"head from {files} ({', '.join(self.location.naming)}), {quant}, "
-                f"norms: {zero} zero-centred / {len(self.norms) - zero} absolute")
+                f"norms: {zero} zero-centred / {len(self.norms) - zero} absolute{parked}")
 
 
 def load_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | None:
     """Load the head of ``model_dir`` for trunk ``model``; None when the directory carries no head.
 
     Raises:
-        CheckpointError: head tensors that are present but incomplete, misshapen or unreadable; the
-            message names the file and tensor.
+        CheckpointError: every problem ``validation.validate`` finds (head files that cannot be read, metadata
+            that does not parse, tensors missing, misshapen or not finite), or a head that does not load
+            into the built module; the message names the file and the tensor or key.
     """
     location = find_head(Path(model_dir), config)
-    if not location.tensors:
+    if not location.tensors and not location.unusable:
         return None
     head = hook().mtp_build_head(model=model, config=config)
     if head is None:
         return None
-    weights, norms = normalised_head(location)
+    problems, weights, norms = validate(location)
+    if problems:
+        raise CheckpointError("; ".join(problems))
     quantization = _quantize_like(head, weights)
     try:
         head.load_weights(list(weights.items()), strict=True)
