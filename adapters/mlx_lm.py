@@ -103,9 +103,11 @@ def mtp_decode(model, prompt, max_tokens, depth):
 
 @hookimpl
 def mtp_new_caches(model):
-    """mlx-lm's prompt cache for the trunk and a ``KVCache`` for the head."""
+    """mlx-lm's prompt cache for the trunk and a ``KVCache`` for the head of an mlx-lm model; None for others."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+    if not type(model).__module__.startswith("mlx_lm."):
+        return None
     return make_prompt_cache(model), KVCache()
 
 

@@ -71,6 +71,17 @@ def _patch_decoding():
 
 
 @hookimpl
+def mtp_new_caches(model):
+    """mlx-vlm's prompt cache for the language model and a ``KVCache`` for the head of an mlx-vlm model; None for
+    others."""
+    if not type(model).__module__.startswith("mlx_vlm."):
+        return None
+    from mlx_vlm.models.cache import KVCache, make_prompt_cache
+
+    return make_prompt_cache(model.language_model), KVCache()
+
+
+@hookimpl
 def mtp_unpatch_runtime():
     """Restore stock mlx-vlm."""
     with _lock:

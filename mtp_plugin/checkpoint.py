@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
+from .conventions import ABSOLUTE, ZERO_CENTRED
 from .hookspecs import hookimpl
 from .plugins import hook
 
@@ -268,18 +268,45 @@ def trunk_headers(location: HeadLocation) -> dict[tuple[Path, str], tuple]:
     return out
 
 
-def trunk_norms(location: HeadLocation, headers: dict) -> dict[str, np.ndarray]:
-    """Trunk RMSNorm weights in the absolute convention (an unconverted HF trunk is zero-centred)."""
-    hf_layout = any("conv1d.weight" in n and shape[-1] != 1 for (_, n), (shape, _) in headers.items())
-    by_file: dict[Path, list[str]] = {}
-    for (path, name), (shape, _) in headers.items():
-        if len(shape) == 1 and name.endswith("norm.weight") and ".linear_attn." not in name:
-            by_file.setdefault(path, []).append(name)
+HF_STACK = "model.language_model."  # the original (Hugging Face) trunk prefix of Qwen3.5-family checkpoints
+
+
+def file_conventions(location: HeadLocation) -> dict[Path, tuple[str, str]]:
+    """The norm convention each head file's own evidence gives its head norms, with that evidence.
+
+    * a file that also holds trunk tensors: the head was stored with that trunk and shares its convention;
+      the trunk's own norms in that file say which (negative entries: zero-centred), else the checkpoint's
+      layout (Hugging Face original, ``model.language_model.*`` names or conv1d weights (C, 1, K):
+      zero-centred; an MLX conversion: absolute);
+    * a head-only file written by PyTorch (safetensors metadata ``format: pt``): the original checkpoint's
+      zero-centred convention.
+
+    Files with no such evidence (a sidecar written by MLX without ``mtp_norm_convention``) are absent.
+    """
+    headers = trunk_headers(location)
+    hf = any(n.startswith(HF_STACK) or ("conv1d.weight" in n and shape[-1] != 1)
+             for (_, n), (shape, _) in headers.items())
     out = {}
-    for path, names in by_file.items():
-        arrays = hook().mtp_load_sidecar(path=path, names=names)
-        for name in names:
-            out[name] = np.array(arrays[name].astype(mx.float32)) + (1.0 if hf_layout else 0.0)
+    for path in location.files:
+        if path in location.trunk_files:
+            norms = [n for (f, n), (shape, _) in headers.items()
+                     if f == path and len(shape) == 1 and n.endswith("norm.weight") and ".linear_attn." not in n]
+            arrays = hook().mtp_load_sidecar(path=path, names=norms) if norms else {}
+            negative = [n for n in norms if bool(mx.any(arrays[n] < 0).item())]
+            if negative:
+                out[path] = (ZERO_CENTRED, f"stored with the trunk, whose norms in {path.name} are zero-centred "
+                                           f"(negative entries in {negative[0]})")
+            elif hf:
+                out[path] = (ZERO_CENTRED, f"stored with the trunk in {path.name}, an original (Hugging Face "
+                                           "layout) checkpoint: zero-centred like its trunk")
+            else:
+                out[path] = (ABSOLUTE, f"stored with the trunk in {path.name}, an MLX conversion: absolute like "
+                                       "its trunk")
+            continue
+        _, metadata = hook().mtp_read_tensor_names(path=path) or ({}, {})
+        if (metadata or {}).get("format") == "pt":
+            out[path] = (ZERO_CENTRED, f"{path.name} was written by PyTorch (format 'pt'), as the original "
+                                       "checkpoint stores it: zero-centred")
     return out
 
 

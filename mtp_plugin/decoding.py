@@ -13,6 +13,12 @@ norm(max(p − q, 0)), and sample a bonus token from p when every draft is accep
 distribution after the runtime's logits processors and sampler filters, q the head's after the same
 filters, so the output distribution is exactly the trunk's.
 
+A broken head never reaches the output: a cycle whose head output is not finite (NaN/Inf) counts as
+rejected inside the acceptance computation (q taken as 0, so the residual is p itself) and its accepted
+count is read back as ``NONFINITE`` in the same host sync (``reject_nonfinite``); the head's
+``health.HeadHealth`` then parks it, as it does a head that accepts (almost) nothing over its first
+cycles, and the rest of the generation is plain decoding.
+
 Depth: fixed, or chosen per cycle by a policy (``controller.DepthController``: adaptive depth, which
 may also "park" on plain decoding steps when no depth is predicted to beat plain decoding). The policy
 is fed each cycle's accepted count and its cost: the seconds spent in this loop queueing it (draft,

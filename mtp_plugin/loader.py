@@ -9,6 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import health
 from .checkpoint import CheckpointError, HeadLocation, find_head
 from .conventions import (
     ZERO_CENTRED,
@@ -17,8 +18,10 @@ from .conventions import (
     describe_quantization,
     quantization_of,
 )
+from .diagnostics import head_statistics, judge
 from .health import HeadHealth
 from .plugins import hook
+from .settle import settle_norms
 from .stats import MTPStats
 from .validation import validate
 
@@ -91,7 +94,18 @@ def load_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | N
         ) from None
     head.contract = Contract.from_metadata({**location.metadata, **config})
     mx.eval(head.parameters())
+    _warn_if_random(location, weights, norms)
     return LoadedHead(head, location, norms, quantization)
+
+
+def _warn_if_random(location: HeadLocation, weights: dict, norms: dict) -> None:
+    """One warning when the head's statistics say random initialisation (``diagnostics.judge``)."""
+    in_features = hook().mtp_head_in_features(config=location.config) or {}
+    verdict = judge(*head_statistics(weights, norms, in_features)[:2])
+    if not verdict.trained:
+        log.warning("mtp_plugin: MTP head in %s looks like random initialisation (%s); it is parked if it "
+                    "accepts under %d%% of its first %d draft tokens", ", ".join(map(str, location.files)),
+                    verdict.evidence, round(100 * health.MIN_ACCEPTANCE), health.PROBE_DRAFTS)
 
 
 def _quantize_like(head: nn.Module, weights: dict) -> dict[str, str]:
@@ -115,12 +129,14 @@ def _quantize_like(head: nn.Module, weights: dict) -> dict[str, str]:
 def attach_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | None:
     """Load the head of ``model_dir`` and keep it on ``model.mtp_head`` (a plain attribute, not a child).
 
+    Norm conventions that the files leave open are settled by the head's own predictions (``settle.py``).
     Never raises for a bad head: the trunk stays usable, the problem is logged once as a warning.
     """
     try:
-        loaded = load_head(model, model_dir, config)
+        model.mtp_head = load_head(model, model_dir, config)
+        if model.mtp_head is not None:
+            settle_norms(model)
     except (CheckpointError, ValueError) as e:
         log.warning("mtp_plugin: MTP head ignored, decoding without it: %s", e)
-        loaded = None
-    model.mtp_head = loaded
-    return loaded
+        model.mtp_head = None
+    return model.mtp_head

@@ -8,16 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
 from .checkpoint import CheckpointError, HeadLocation, find_head, trunk_headers
 from .compat import head_config, mismatches
-from .conventions import (
-    describe_quantization,
-    quantization_of,
-)
-from .diagnostics import judge
+from .conventions import describe_quantization
+from .diagnostics import head_statistics, judge
 from .plugins import hook
 from .validation import validate
 
@@ -91,26 +87,15 @@ def inspect_dir(model_dir: Path) -> dict:
 
 def _describe_head(report: dict, location: HeadLocation, weights: dict, decisions: dict) -> None:
     in_features = hook().mtp_head_in_features(config=location.config) or {}
-    norms, projections = {}, {}
     for name, decision in decisions.items():
         report["norm_convention"][name] = {"convention": decision.convention, "evidence": decision.evidence}
-        norms[name] = np.array(weights[name].astype(mx.float32))
-    for name, value in weights.items():
-        if name in decisions or not name.endswith(".weight") or value.ndim < 2:
-            continue
-        module = name[: -len(".weight")]
-        scales = weights.get(f"{module}.scales")
-        if scales is None:
-            report["head_quantization"][module] = describe_quantization(None, str(value.dtype).split(".")[-1])
-            projections[module] = np.array(value.astype(mx.float32))
-            continue
-        if module not in in_features:
-            report["problems"].append(f"{module}: quantized, but its input width is unknown to the plugin")
-            continue
-        q = quantization_of(value.shape, scales.shape, in_features[module])
-        report["head_quantization"][module] = describe_quantization(q, "")
-        dequantized = mx.dequantize(value, scales, weights.get(f"{module}.biases"), **q)
-        projections[module] = np.array(dequantized.astype(mx.float32))
+    norms, projections, labels = head_statistics(weights, decisions, in_features)
+    for module, q in labels.items():
+        dtype = str(weights[f"{module}.weight"].dtype).split(".")[-1]
+        report["head_quantization"][module] = describe_quantization(q, "" if q else dtype)
+    unknown = [n[: -len(".weight")] for n in weights if n.endswith(".weight") and weights[n].ndim >= 2
+               and n not in decisions and n[: -len(".weight")] not in labels]
+    report["problems"] += [f"{m}: quantized, but its input width is unknown to the plugin" for m in unknown]
     verdict = judge(norms, projections)
     report["head_trained"] = verdict.trained
     report["head_trained_evidence"] = verdict.evidence

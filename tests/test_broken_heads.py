@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -321,3 +322,144 @@ def test_head_accepting_nothing_is_parked(tmp_path, tiny, caplog, monkeypatch, s
     assert len([r for r in caplog.records if "parked" in r.getMessage()]) == 1
     if not sampled:
         assert mtp == [t for t, _ in generate_step(PROMPT, model, max_tokens=80, enable_mtp=False)]
+
+
+# --- norm conventions from the evidence a file carries --------------------------------------------------
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
+SMALL = {"pre_fc_norm_embedding.weight": 0.3, "pre_fc_norm_hidden.weight": 0.5, "norm.weight": 0.4}
+
+
+def _small_absolute_norms(path):
+    """The bundled 4-bit checkpoint with its sidecar rewritten as an MLX writer without norm metadata would:
+    absolute pre-fc norms scaled down to means of 0.3-0.5 (fc's input columns scaled up to match, so the head
+    computes the same drafts) and the final norm scaled by 0.4 (the same greedy drafts)."""
+    shutil.copytree(TINY / "mlx-4bit", path, ignore=shutil.ignore_patterns("mtp.safetensors"))
+    head = dict(mx.load(str(TINY / "mlx-4bit" / "mtp.safetensors")))
+    fc = mx.dequantize(head.pop("mtp.fc.weight"), head.pop("mtp.fc.scales"), head.pop("mtp.fc.biases"),
+                       group_size=64, bits=4).astype(mx.float32)
+    hidden = fc.shape[0]
+    columns = mx.concatenate([mx.full((hidden,), 1 / SMALL["pre_fc_norm_embedding.weight"]),
+                              mx.full((hidden,), 1 / SMALL["pre_fc_norm_hidden.weight"])])
+    head["mtp.fc.weight"] = fc * columns
+    for name, scale in SMALL.items():
+        head[f"mtp.{name}"] = (head[f"mtp.{name}"].astype(mx.float32) * scale).astype(head[f"mtp.{name}"].dtype)
+    mx.save_safetensors(str(path / "mtp.safetensors"), head, metadata={"format": "mlx"})
+    return path
+
+
+def _agreement(model, text):
+    """Depth-1 greedy agreement of the loaded head with the trunk on ``text`` (as ``verify`` measures it)."""
+    from mtp_plugin.plugins import hook
+
+    head = model.mtp_head.module
+    trunk = hook().mtp_trunk(model=model, contract=head.contract)
+    tokens = mx.array(text)[None]
+    hidden = trunk.hidden(tokens, None)
+    target = mx.argmax(trunk.trunk_logits(hidden), axis=-1)[0, 1:]
+    draft = mx.argmax(trunk.logits(head(hidden[:, :-1], trunk.embed(tokens[:, 1:]))), axis=-1)[0]
+    return (draft == target).mean().item()
+
+
+def test_small_absolute_norms_in_an_mlx_sidecar_stay_absolute(tmp_path):
+    from mlx_lm import load
+
+    from mtp_plugin.cli import SAMPLE_SOURCE
+
+    reference, tokenizer = load(str(TINY / "mlx-4bit"))
+    text = tokenizer.encode(SAMPLE_SOURCE.read_text()[:1500])
+    model, _ = load(str(_small_absolute_norms(tmp_path / "small")))
+    for name in SMALL:
+        decision = model.mtp_head.norms[name]
+        assert decision.convention == "absolute" and "settled by the head's own predictions" in decision.evidence
+    assert _agreement(model, text) > _agreement(reference, text) - 0.05
+    report = inspect_dir(tmp_path / "small")
+    assert report["can_run"] and "settles it" in report["norm_convention"]["pre_fc_norm_embedding.weight"]["evidence"]
+
+
+def test_all_positive_zero_centred_norm_in_an_hf_original(tmp_path):
+    """An HF original stores trunk and head zero-centred; a head norm positive everywhere is still read so."""
+    path = tmp_path / "hf"
+    shutil.copytree(TINY / "hf", path)
+    tensors = dict(mx.load(str(path / "model.safetensors")))
+    for name in ("mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.layers.0.self_attn.q_norm.weight"):
+        tensors[name] = mx.abs(tensors[name]) + 0.05
+        assert (tensors[name] > 0).all().item()
+    mx.save_safetensors(str(path / "model.safetensors"), tensors, metadata={"format": "pt"})
+    report = inspect_dir(path)
+    for name in ("norm.weight", "pre_fc_norm_hidden.weight", "layers.0.self_attn.q_norm.weight"):
+        assert report["norm_convention"][name]["convention"] == "zero_centred", report["norm_convention"][name]
+    model = lm_load(path)
+    assert model.mtp_head.norms["norm.weight"].convention == "zero_centred"
+
+
+def test_pytorch_written_sidecar_is_zero_centred(tmp_path, tiny):
+    """A head-only file written by PyTorch (format 'pt') keeps the original's zero-centred convention."""
+    config, _, weights, head, _ = tiny
+    path = save_checkpoint(tmp_path / "m", config, weights)
+    stored = {f"mtp.{k}": (v * 0.1 + 0.02 if k.endswith("norm.weight") else v) for k, v in head.items()}
+    mx.save_safetensors(str(path / "mtp.safetensors"), stored, metadata={"format": "pt"})
+    model = lm_load(path)
+    assert {d.convention for d in model.mtp_head.norms.values()} == {"zero_centred"}
+    got = dict(tree_flatten(model.mtp_head.module.parameters()))
+    np.testing.assert_allclose(np.array(got["norm.weight"]), np.array(head["norm.weight"] * 0.1 + 1.02), atol=1e-6)
+
+
+# --- random initialisation: flagged by inspect, warned at load ------------------------------------------
+
+def _mlx_default_init(model, config):
+    """MLX's own nn.Linear init (uniform ±1/sqrt(in)), norms moved."""
+    from mtp_plugin.plugins import hook
+
+    head = hook().mtp_build_head(model=model, config=config)
+    weights = dict(tree_flatten(head.parameters()))
+    return {k: (mx.random.uniform(0.8, 1.2, v.shape) if v.ndim == 1 else v) for k, v in weights.items()}
+
+
+def _gpt2_init(model, config):
+    """GPT-2 style: N(0, 0.02), residual projections (o_proj, down_proj) scaled by 1/sqrt(2 * layers); norms moved."""
+    head = _mlx_default_init(model, config)
+    scale = {"o_proj": (2 * 4) ** -0.5, "down_proj": (2 * 4) ** -0.5}
+    return {k: v if v.ndim == 1 else 0.02 * scale.get(k.split(".")[-2], 1.0) * mx.random.normal(v.shape)
+            for k, v in head.items()}
+
+
+def _xavier_uniform(model, config):
+    """Xavier/Glorot uniform (bound sqrt(6 / (in + out))), norms moved."""
+    head = _mlx_default_init(model, config)
+    return {k: v if v.ndim == 1 else mx.random.uniform(-1, 1, v.shape) * (6 / sum(v.shape)) ** 0.5
+            for k, v in head.items()}
+
+
+@pytest.mark.parametrize("init,quantize", [(_mlx_default_init, None), (_gpt2_init, None), (_xavier_uniform, None),
+                                           (_mlx_default_init, {"bits": 8, "group_size": 32})],
+                         ids=["mlx-uniform", "gpt2-scaled", "xavier-uniform", "mlx-uniform-int8"])
+def test_random_init_flagged_and_warned_at_load(tmp_path, tiny, caplog, init, quantize):
+    config, model, weights, _, _ = tiny
+    head = init(model, config)
+    if quantize:
+        import mlx.nn as nn
+
+        from mtp_plugin.plugins import hook
+
+        module = hook().mtp_build_head(model=model, config=config)
+        module.load_weights(list(head.items()))
+        nn.quantize(module, **quantize)
+        head = dict(tree_flatten(module.parameters()))
+    path = save_checkpoint(tmp_path / "m", config, weights, head, "mtp.safetensors")
+    report = inspect_dir(path)
+    assert report["head_trained"] is False and not report["can_run"], report["projection_kurtosis"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mtp_plugin"):
+        loaded = lm_load(path)
+    assert loaded.mtp_head is not None  # it loads (output is never wrong), and is parked if it accepts nothing
+    assert any("looks like random initialisation" in r.getMessage() for r in caplog.records)
+
+
+def test_trained_heads_are_not_flagged(caplog):
+    """The bundled trained head (4-bit sidecar and HF original) loads without the random-init warning."""
+    with caplog.at_level(logging.WARNING, logger="mtp_plugin"):
+        for d in ("mlx-4bit", "hf"):
+            assert inspect_dir(TINY / d)["head_trained"] is True
+            assert lm_load(TINY / d).mtp_head is not None
+    assert not any("random initialisation" in r.getMessage() for r in caplog.records)

@@ -183,8 +183,9 @@ class QwenTrunk:
 
     def text_positions(self, cache, length):
         """mRoPE position ids (3, 1, S), int32, of the next S text tokens: offset of the first
-        full-attention layer's KV cache + arange(S) on every axis."""
-        offset = next(c.offset for layer, c in zip(self.text_model.layers, cache, strict=True) if not layer.is_linear)
+        full-attention layer's KV cache (0 without a cache) + arange(S) on every axis."""
+        offset = 0 if cache is None else next(c.offset for layer, c in zip(self.text_model.layers, cache, strict=True)
+                                              if not layer.is_linear)
         return mx.broadcast_to(mx.arange(offset, offset + length, dtype=mx.int32), (3, 1, length))
 
     def embed(self, tokens):
