@@ -128,6 +128,23 @@ def test_nonfinite_drafts_greedy_output_is_the_trunks(nan_head_model):
     assert nan_head_model.mtp_head.health.parked
 
 
+def test_nonfinite_drafts_parked_in_mlx_vlm(tmp_path):
+    """mlx-vlm decodes text prompts through the same loop: greedy output stays its own, the head is parked."""
+    config = config_for("qwen3_5", vision=True)
+    built = build_model(config, "mlx_vlm")
+    model = vlm_load(save_checkpoint(tmp_path / "m", config, trunk_weights(built), build_head(built, config),
+                                     "mtp.safetensors"))
+    module = model.mtp_head.module
+    module.update({"norm": {"weight": mx.full(module.norm.weight.shape, mx.inf, dtype=module.norm.weight.dtype)}})
+    generate_step = importlib.import_module("mlx_vlm.generate").generate_step
+
+    def run(**kwargs):
+        return [t for t, _ in generate_step(PROMPT[None], model, None, None, max_tokens=16, temperature=0.0, **kwargs)]
+
+    assert run(mtp_depth=2) == run(enable_mtp=False)
+    assert "not finite" in model.mtp_head.health.parked
+
+
 def test_nonfinite_check_inside_acceptance():
     """The acceptance functions never let a non-finite q through: the draft is rejected and the token
     drawn in its place comes from p alone (here p puts all its mass on token 2)."""
