@@ -27,7 +27,7 @@ from .mlx_lm_decoding import (
     print_summary,
 )
 from .mlx_lm_server import patch_server
-from .patching import Patches, version_in_range, wrap_sanitizers
+from .patching import Patches, claiming, version_in_range, wrap_sanitizers
 
 TESTED = ("0.30.7", "0.33")
 _patches = Patches()
@@ -40,7 +40,8 @@ def _keep_head(load_model):
 
     @functools.wraps(load_model)
     def wrapper(model_path, *args, **kwargs):
-        model, config = load_model(model_path, *args, **kwargs)
+        with claiming(model_path):
+            model, config = load_model(model_path, *args, **kwargs)
         attach_head(model, Path(model_path), config)
         return model, config
 
@@ -105,9 +106,11 @@ def mtp_decode(model, prompt, max_tokens, depth):
 
 @hookimpl
 def mtp_new_caches(model):
-    """mlx-lm's prompt cache for the trunk and a ``KVCache`` for the head."""
+    """mlx-lm's prompt cache for the trunk and a ``KVCache`` for the head of an mlx-lm model; None for others."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+    if not type(model).__module__.startswith("mlx_lm."):
+        return None
     return make_prompt_cache(model), KVCache()
 
 

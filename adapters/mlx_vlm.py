@@ -18,7 +18,7 @@ from mtp_plugin.hookspecs import hookimpl
 
 from . import capture
 from .mlx_vlm_decoding import CAPTURE_POINTS, mtp_generate_step, print_summary
-from .patching import Patches, version_in_range, wrap_sanitizers
+from .patching import Patches, claiming, version_in_range, wrap_sanitizers
 
 TESTED = ("0.6.5", "0.8")
 _patches = Patches()
@@ -31,7 +31,8 @@ def _keep_head(load_model):
 
     @functools.wraps(load_model)
     def wrapper(model_path, *args, **kwargs):
-        model = load_model(model_path, *args, **kwargs)
+        with claiming(model_path):
+            model = load_model(model_path, *args, **kwargs)
         attach_head(model, Path(model_path), read_config(Path(model_path)))
         return model
 
@@ -67,6 +68,17 @@ def _patch_decoding():
         _patches.wrap(module, "generate_step", step)
     for module in (dispatch, package, mlx_vlm):
         _patches.wrap(module, "generate", print_summary)
+
+
+@hookimpl
+def mtp_new_caches(model):
+    """mlx-vlm's prompt cache for the language model and a ``KVCache`` for the head of an mlx-vlm model; None for
+    others."""
+    if not type(model).__module__.startswith("mlx_vlm."):
+        return None
+    from mlx_vlm.models.cache import KVCache, make_prompt_cache
+
+    return make_prompt_cache(model.language_model), KVCache()
 
 
 @hookimpl

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import logging
 from importlib import metadata
+from pathlib import Path
 
 log = logging.getLogger("mtp_plugin")
 _MISSING = object()
 _warned: set[str] = set()
+_claimed: contextvars.ContextVar[frozenset] = contextvars.ContextVar("mtp_plugin_claimed", default=frozenset())
 
 
 class Patches:
@@ -72,14 +76,36 @@ def version_in_range(distribution: str, lowest: str, below: str) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def claiming(model_path):
+    """While a runtime loads ``model_path``: the stored names of every head tensor our loader finds there (any
+    file, bare names in a head file included) are stripped by the wrapped ``sanitize`` (``strip_head_tensors``).
+
+    A directory whose head cannot be located (unreadable header …) claims nothing here; the loader reports it.
+    """
+    from mtp_plugin.checkpoint import CheckpointError, find_head
+
+    try:
+        names = frozenset(name for _, name in find_head(Path(model_path)).claimed())
+    except (CheckpointError, OSError, ValueError):
+        names = frozenset()
+    token = _claimed.set(names)
+    try:
+        yield
+    finally:
+        _claimed.reset(token)
+
+
 def strip_head_tensors(sanitize, model_type: str):
-    """Wrap a model class's ``sanitize`` so that it never receives head tensors (any naming form)."""
+    """Wrap a model class's ``sanitize`` so that it never receives head tensors: any prefixed naming form, and
+    whatever the head loader claims in the model being loaded (``claiming``)."""
     from mtp_plugin.plugins import hook
 
     @functools.wraps(sanitize)
     def wrapper(self, weights):
-        trunk = {k: v for k, v in weights.items()
-                 if hook().mtp_head_name(name=k, model_type=model_type, sidecar=False) is None}
+        claimed = _claimed.get()
+        trunk = {k: v for k, v in weights.items() if k not in claimed
+                 and hook().mtp_head_name(name=k, model_type=model_type, sidecar=False) is None}
         return sanitize(self, trunk)
 
     return wrapper

@@ -8,12 +8,13 @@ This module is also the built-in plugin for reading safetensors files.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
+from .conventions import ABSOLUTE, ZERO_CENTRED
 from .hookspecs import hookimpl
 from .plugins import hook
 
@@ -52,6 +53,28 @@ class HeadLocation:
     tensors: dict[str, HeadTensor] = field(default_factory=dict)
     trunk_files: list[Path] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
+    metadata_files: dict[str, Path] = field(default_factory=dict)
+    unusable: list[str] = field(default_factory=list)
+    copies: list[HeadTensor] = field(default_factory=list)
+
+    def claimed(self) -> set[tuple[Path, str]]:
+        """Every ``(file, stored name)`` the head owns, equal second copies included: none of them is a trunk
+        tensor, and none may reach the runtime's own loading."""
+        return {(t.file, t.name) for t in [*self.tensors.values(), *self.copies]}
+
+    def display(self, path: Path) -> str:
+        """``path`` relative to the model directory when inside it, else as given (a sidecar named by an
+        absolute path in config.json)."""
+        try:
+            return str(Path(path).relative_to(self.model_dir))
+        except ValueError:
+            return str(path)
+
+    def source(self, key: str) -> str:
+        """Where metadata ``key`` is read from: config.json (which wins) or the head file that carries it."""
+        if key in self.config or key in (self.config.get("text_config") or {}):
+            return str(self.model_dir / "config.json")
+        return str(self.metadata_files.get(key, "head metadata"))
 
     @property
     def model_type(self) -> str:
@@ -60,11 +83,20 @@ class HeadLocation:
 
     @property
     def declared_layers(self) -> int:
-        """``mtp_num_hidden_layers`` as config.json declares it (top level or ``text_config``), else 0."""
+        """``mtp_num_hidden_layers`` as config.json declares it (top level or ``text_config``), else 0.
+
+        Raises:
+            CheckpointError: a value that is not a non-negative integer; the message names config.json and the key.
+        """
         for cfg in (self.config, self.config.get("text_config") or {}):
             for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
-                if cfg.get(key):
-                    return int(cfg[key])
+                value = cfg.get(key)
+                if value is None or value == 0:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise CheckpointError(f"{self.model_dir / 'config.json'}: {key}={value!r} is not a number of "
+                                          "layers; set it to an integer (1 for a one-layer MTP head)")
+                return value
         return 0
 
     @property
@@ -98,17 +130,42 @@ def read_config(model_dir: Path) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({e}); restore the file from its source.") from None
 
 
-def _candidate_files(model_dir: Path, config: dict) -> tuple[list[Path], list[Path]]:
-    """(files that may mix trunk and head tensors, named sidecar files that exist)."""
+def _candidate_files(model_dir: Path, config: dict, unusable: list[str]) -> tuple[list[Path], list[Path]]:
+    """(files that may mix trunk and head tensors, named sidecar files that exist); a sidecar path that
+    exists but cannot be read, or that config.json names but is absent, is described in ``unusable``."""
     shards = set(model_dir.glob("*.safetensors"))
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         shards |= {model_dir / f for f in json.loads(index.read_text()).get("weight_map", {}).values()}
     sidecars = []
+    named = {model_dir / v for cfg in (config, config.get("text_config") or {}) for k, v in cfg.items()
+             if k in ("mtp_sidecar", "mtp_file", "mtp_weights") and isinstance(v, str)}
     for paths in hook().mtp_sidecar_paths(model_dir=model_dir, config=config):
-        sidecars += [Path(p) for p in paths if Path(p).is_file()]
+        for path in map(Path, paths):
+            problem = unreadable_file(path, named=path in named)
+            if problem is None:
+                sidecars.append(path)
+            elif problem:
+                unusable.append(f"{path}: {problem}")
     shards = {p for p in shards if p.is_file()} - set(sidecars)
     return sorted(shards), sorted(set(sidecars))
+
+
+def unreadable_file(path: Path, named: bool = False) -> str | None:
+    """Why a head file at ``path`` cannot be read, ``""`` when it simply does not exist (and need not: not
+    ``named`` by config.json), or None when it is a readable regular file."""
+    if path.is_file():
+        if not os.access(path, os.R_OK):
+            return "not readable (permission denied); fix its permissions (chmod a+r)"
+        return None
+    if path.is_dir():
+        return "a directory, not a weights file; point at the head's .safetensors file"
+    if path.is_symlink() and not path.exists():
+        return (f"a dangling symbolic link to {os.readlink(path)}; the target is missing: restore it or "
+                "point the link at the head file")
+    if path.exists():
+        return "not a regular file; point at the head's .safetensors file"
+    return "named in config.json but absent; restore the head file or fix the name" if named else ""
 
 
 def find_head(model_dir: Path, config: dict | None = None) -> HeadLocation:
@@ -117,13 +174,17 @@ def find_head(model_dir: Path, config: dict | None = None) -> HeadLocation:
     A file named by a sidecar hook may use bare names (``fc.weight``); any other file whose every
     tensor is a bare head name is taken as a sidecar too.
 
+    One head tensor stored twice (under two prefixes, in one file or two) is kept once when both
+    copies are equal (shape, dtype and values; only then is any tensor data read here).
+
     Raises:
-        CheckpointError: bad config.json, an unreadable weights file, or one head tensor stored twice.
+        CheckpointError: bad config.json, an unreadable weights file, or one head tensor stored twice with
+            different values (the message names both copies and their files).
     """
     model_dir = Path(model_dir)
     config = read_config(model_dir) if config is None else config
     loc = HeadLocation(model_dir=model_dir, config=config)
-    shards, sidecars = _candidate_files(model_dir, config)
+    shards, sidecars = _candidate_files(model_dir, config, loc.unusable)
     model_type = loc.model_type
     for path in shards + sidecars:
         header = hook().mtp_read_tensor_names(path=path)
@@ -134,31 +195,48 @@ def find_head(model_dir: Path, config: dict | None = None) -> HeadLocation:
         if not found and path not in sidecars:
             found = _head_tensors(path, names, model_type, sidecar=True)
             if len(found) != len(names):
-                found = {}
+                found = []
         if not found:
             loc.trunk_files.append(path)
             continue
         if len(found) < len(names):
             loc.trunk_files.append(path)
-        for t in found.values():
+        for t in found:
             if t.canonical in loc.tensors:
-                other = loc.tensors[t.canonical]
-                raise CheckpointError(
-                    f"head tensor {t.canonical!r} is stored twice: {other.name} in {other.file} and "
-                    f"{t.name} in {t.file}; remove one copy (keep the sidecar you trust)."
-                )
+                _check_same(loc.tensors[t.canonical], t)
+                loc.copies.append(t)
+                continue
             loc.tensors[t.canonical] = t
         loc.metadata.update(metadata or {})
+        loc.metadata_files.update(dict.fromkeys(metadata or {}, path))
     return loc
 
 
-def _head_tensors(path: Path, names: dict, model_type: str, sidecar: bool) -> dict[str, HeadTensor]:
-    out = {}
+def _head_tensors(path: Path, names: dict, model_type: str, sidecar: bool) -> list[HeadTensor]:
+    out = []
     for name, (shape, dtype) in names.items():
         canonical = hook().mtp_head_name(name=name, model_type=model_type, sidecar=sidecar)
         if canonical is not None:
-            out[canonical] = HeadTensor(canonical, name, path, tuple(shape), dtype)
+            out.append(HeadTensor(canonical, name, path, tuple(shape), dtype))
     return out
+
+
+def _check_same(first: HeadTensor, second: HeadTensor) -> None:
+    """Accept a second copy of a head tensor only when it equals the first.
+
+    Raises:
+        CheckpointError: the copies differ; the message names both.
+    """
+    same = first.shape == second.shape and first.dtype == second.dtype
+    if same:
+        a = hook().mtp_load_sidecar(path=first.file, names=[first.name])
+        b = hook().mtp_load_sidecar(path=second.file, names=[second.name])
+        same = a is not None and b is not None and mx.array_equal(a[first.name], b[second.name]).item()
+    if not same:
+        raise CheckpointError(
+            f"head tensor {first.canonical!r} is stored twice with different values: {first.name} in "
+            f"{first.file} and {second.name} in {second.file}; remove the copy you do not trust."
+        )
 
 
 def load_tensors(tensors: list[HeadTensor]) -> dict:
@@ -185,23 +263,50 @@ def trunk_headers(location: HeadLocation) -> dict[tuple[Path, str], tuple]:
     out = {}
     for path in location.trunk_files:
         names, _ = hook().mtp_read_tensor_names(path=path) or ({}, {})
-        head = {t.name for t in location.tensors.values() if t.file == path}
+        head = {name for file, name in location.claimed() if file == path}
         out.update({(path, n): v for n, v in names.items() if n not in head})
     return out
 
 
-def trunk_norms(location: HeadLocation, headers: dict) -> dict[str, np.ndarray]:
-    """Trunk RMSNorm weights in the absolute convention (an unconverted HF trunk is zero-centred)."""
-    hf_layout = any("conv1d.weight" in n and shape[-1] != 1 for (_, n), (shape, _) in headers.items())
-    by_file: dict[Path, list[str]] = {}
-    for (path, name), (shape, _) in headers.items():
-        if len(shape) == 1 and name.endswith("norm.weight") and ".linear_attn." not in name:
-            by_file.setdefault(path, []).append(name)
+HF_STACK = "model.language_model."  # the original (Hugging Face) trunk prefix of Qwen3.5-family checkpoints
+
+
+def file_conventions(location: HeadLocation) -> dict[Path, tuple[str, str]]:
+    """The norm convention each head file's own evidence gives its head norms, with that evidence.
+
+    * a file that also holds trunk tensors: the head was stored with that trunk and shares its convention;
+      the trunk's own norms in that file say which (negative entries: zero-centred), else the checkpoint's
+      layout (Hugging Face original, ``model.language_model.*`` names or conv1d weights (C, 1, K):
+      zero-centred; an MLX conversion: absolute);
+    * a head-only file written by PyTorch (safetensors metadata ``format: pt``): the original checkpoint's
+      zero-centred convention.
+
+    Files with no such evidence (a sidecar written by MLX without ``mtp_norm_convention``) are absent.
+    """
+    headers = trunk_headers(location)
+    hf = any(n.startswith(HF_STACK) or ("conv1d.weight" in n and shape[-1] != 1)
+             for (_, n), (shape, _) in headers.items())
     out = {}
-    for path, names in by_file.items():
-        arrays = hook().mtp_load_sidecar(path=path, names=names)
-        for name in names:
-            out[name] = np.array(arrays[name].astype(mx.float32)) + (1.0 if hf_layout else 0.0)
+    for path in location.files:
+        if path in location.trunk_files:
+            norms = [n for (f, n), (shape, _) in headers.items()
+                     if f == path and len(shape) == 1 and n.endswith("norm.weight") and ".linear_attn." not in n]
+            arrays = hook().mtp_load_sidecar(path=path, names=norms) if norms else {}
+            negative = [n for n in norms if bool(mx.any(arrays[n] < 0).item())]
+            if negative:
+                out[path] = (ZERO_CENTRED, f"stored with the trunk, whose norms in {path.name} are zero-centred "
+                                           f"(negative entries in {negative[0]})")
+            elif hf:
+                out[path] = (ZERO_CENTRED, f"stored with the trunk in {path.name}, an original (Hugging Face "
+                                           "layout) checkpoint: zero-centred like its trunk")
+            else:
+                out[path] = (ABSOLUTE, f"stored with the trunk in {path.name}, an MLX conversion: absolute like "
+                                       "its trunk")
+            continue
+        _, metadata = hook().mtp_read_tensor_names(path=path) or ({}, {})
+        if (metadata or {}).get("format") == "pt":
+            out[path] = (ZERO_CENTRED, f"{path.name} was written by PyTorch (format 'pt'), as the original "
+                                       "checkpoint stores it: zero-centred")
     return out
 
 
@@ -220,6 +325,8 @@ def mtp_read_tensor_names(path):
                 s = f.get_slice(name)
                 names[name] = (tuple(s.get_shape()), s.get_dtype())
             return names, dict(f.metadata() or {})
+    except PermissionError:
+        raise CheckpointError(f"{path}: not readable (permission denied); fix its permissions (chmod a+r).") from None
     except Exception as e:  # safetensors raises its own SafetensorError and OSError
         raise CheckpointError(f"{path}: unreadable safetensors header ({e}); re-download or re-export it.") from e
 

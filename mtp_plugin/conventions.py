@@ -3,14 +3,13 @@
 Norm conventions: Hugging Face Qwen3.5 stores zero-centred RMSNorm weights (effective scale ``1 + w``),
 MLX conversions store the absolute scale ``w``. A head may mix both (tensors copied from different
 sources), so the convention is decided per tensor from evidence, never from the mere presence of
-``mtp.*`` keys and never from one mean threshold (a converted ``pre_fc_norm_embedding`` can have
-mean ≈ 0.27).
+``mtp.*`` keys and never from a mean (a converted ``pre_fc_norm_embedding`` can have mean ≈ 0.27, a
+zero-centred norm can be positive everywhere).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -65,6 +64,7 @@ class NormDecision:
 
     convention: str
     evidence: str
+    settled: bool = True
 
 
 def is_norm(canonical: str, shape: tuple[int, ...]) -> bool:
@@ -74,18 +74,20 @@ def is_norm(canonical: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 1 and parts[-1] == "weight" and len(parts) > 1 and "norm" in parts[-2]
 
 
-def decide_norm(values: np.ndarray, declared: str | None = None, reference_mean: float | None = None) -> NormDecision:
-    """Decide one RMSNorm weight's convention.
+def decide_norm(values: np.ndarray, declared: str | None = None,
+                file_evidence: tuple[str, str] | None = None) -> NormDecision:
+    """Decide one RMSNorm weight's convention from the evidence its file carries, never from a mean.
 
     Evidence, strongest first: a convention declared in metadata; negative entries (an absolute
     scale is never negative in a trained model); all entries ≈ 0 (an absolute scale of 0 would erase
-    the signal); otherwise the reading whose effective mean is nearer, in log ratio, to the
-    trunk's loaded (absolute) norm of the same role; without a reference, absolute (as stored).
+    the signal); the file it is stored in (``checkpoint.file_conventions``). Without any of these the
+    decision is provisional (absolute, as stored, ``settled`` False): the loader settles it by the head's
+    own predictions (``settle.py``).
 
     Args:
         values: the stored weight, any float dtype, shape (H,).
         declared: ``"zero_centred"`` / ``"absolute"`` from metadata, or None.
-        reference_mean: mean effective scale of the trunk's norm of the same role, or None.
+        file_evidence: ``(convention, evidence)`` from the file the tensor sits in, or None.
     """
     if declared in (ZERO_CENTRED, ABSOLUTE):
         return NormDecision(declared, "declared in metadata")
@@ -95,12 +97,10 @@ def decide_norm(values: np.ndarray, declared: str | None = None, reference_mean:
         return NormDecision(ZERO_CENTRED, f"{negative:.0%} negative entries; an absolute scale is never negative")
     if float(np.max(np.abs(v))) < 0.05:
         return NormDecision(ZERO_CENTRED, "all entries ~0; as absolute scales they would erase the signal")
-    if reference_mean is not None and reference_mean > 0:
-        as_abs = abs(math.log(float(np.mean(v)) / reference_mean))
-        as_zero = abs(math.log(float(np.mean(v + 1)) / reference_mean))
-        convention = ZERO_CENTRED if as_zero < as_abs else ABSOLUTE
-        return NormDecision(convention, f"nearer the trunk's norm of the same role (mean {reference_mean:.3f})")
-    return NormDecision(ABSOLUTE, "all entries positive, no trunk reference: taken as stored")
+    if file_evidence is not None:
+        return NormDecision(*file_evidence)
+    return NormDecision(ABSOLUTE, "all entries positive and no evidence in its file: read as stored until the "
+                        "loader settles it by the head's own predictions", settled=False)
 
 
 def quantization_of(weight_shape: tuple[int, ...], scales_shape: tuple[int, ...] | None,
@@ -132,20 +132,24 @@ def describe_quantization(q: dict | None, dtype: str) -> str:
             "float32": "fp32"}.get(dtype, dtype.lower())
 
 
-def reference_means(trunk: dict, roles: dict[str, str]) -> dict[str, float]:
-    """Mean effective (absolute) scale of the trunk norms playing each head norm's role.
+TRUNK_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 
-    Args:
-        trunk: trunk RMSNorm weights in the absolute convention, ``{name: array}`` (numpy or mlx).
-        roles: head norm canonical name → trunk name suffix (``mtp_norm_roles``).
-    """
-    out = {}
-    for head_name, suffix in roles.items():
-        values = [np.asarray(v, dtype=np.float32).mean() for name, v in trunk.items()
-                  if name == suffix or name.endswith("." + suffix)]
-        if values:
-            out[head_name] = float(np.mean(values))
-    return out
+
+def strip_trunk(name: str) -> str:
+    """A trunk tensor name without its stack prefix, the same for HF and MLX layouts:
+    ``model.language_model.norm.weight`` and ``language_model.model.norm.weight`` are both ``norm.weight``."""
+    for prefix in TRUNK_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def plays_role(name: str, role: str) -> bool:
+    """Whether trunk tensor ``name`` is a norm of ``role`` (``mtp_norm_roles``: ``norm.weight`` the final norm,
+    ``input_layernorm.weight`` every layer's, ``layers.0.input_layernorm.weight`` the first layer's)."""
+    stripped = strip_trunk(name)
+    parts = stripped.split(".", 2)
+    return stripped == role or (len(parts) == 3 and parts[0] == "layers" and parts[2] == role)
 
 
 def declared_norms(metadata: dict) -> dict | str | None:

@@ -13,6 +13,12 @@ norm(max(p − q, 0)), and sample a bonus token from p when every draft is accep
 distribution after the runtime's logits processors and sampler filters, q the head's after the same
 filters, so the output distribution is exactly the trunk's.
 
+A broken head never reaches the output: a cycle whose head output is not finite (NaN/Inf) counts as
+rejected inside the acceptance computation (q taken as 0, so the residual is p itself) and its accepted
+count is read back as ``NONFINITE`` in the same host sync (``reject_nonfinite``); the head's
+``health.HeadHealth`` then parks it, as it does a head that accepts (almost) nothing over its first
+cycles, and the rest of the generation is plain decoding.
+
 Depth: fixed, or chosen per cycle by a policy (``controller.DepthController``: adaptive depth, which
 may also "park" on plain decoding steps when no depth is predicted to beat plain decoding). The policy
 is fed each cycle's accepted count and its cost: the seconds spent in this loop queueing it (draft,
@@ -39,6 +45,7 @@ from . import rollback
 from .controller import PLAIN, FixedDepth
 from .drafter import Drafter
 from .drafter import log_softmax as _log_softmax
+from .health import HeadHealth
 from .stats import MTPStats
 
 DEFAULT_DEPTH = 2
@@ -102,13 +109,16 @@ def accept_greedy(logprobs: mx.array, drafts: mx.array) -> tuple[mx.array, mx.ar
     return accepted, target
 
 
-def accept_sampled(p: mx.array, q: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+def accept_sampled(p: mx.array, q: mx.array, drafts: mx.array,
+                   finite: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """Exact speculative sampling (Leviathan et al. 2023, Algorithm 1).
 
     Args:
         p: trunk sampling distribution (D+1, V) at the verified positions.
         q: head sampling distribution (D, V) each draft was drawn from.
         drafts: draft tokens (D,).
+        finite: scalar bool, False when the head's output was not finite: every draft is then rejected
+            and q counts as 0, so the token sampled in place of the first draft comes from p itself.
 
     Returns:
         ``(accepted, block)``: scalar count a of accepted drafts and (D+1,) tokens whose first a+1
@@ -116,15 +126,33 @@ def accept_sampled(p: mx.array, q: mx.array, drafts: mx.array) -> tuple[mx.array
         bonus sample from p[D] when every draft is accepted.
     """
     rows = mx.arange(drafts.shape[0])
+    if finite is not None:
+        q = mx.where(finite, q, 0.0)  # NaN never reaches the test or the residual
     p_d, q_d = p[rows, drafts], q[rows, drafts]
     u = mx.random.uniform(shape=drafts.shape)
-    accepted = mx.cumprod(u * q_d < p_d).sum()
+    ok = u * q_d < p_d
+    accepted = mx.cumprod(ok if finite is None else ok & finite).sum()
     residual = mx.maximum(p[:-1] - q, 0.0)
     residual = residual / mx.maximum(residual.sum(axis=-1, keepdims=True), 1e-30)
     fallback = _categorical(mx.concatenate([residual, p[-1:]], axis=0))
     index = mx.arange(drafts.shape[0] + 1)
     block = mx.where(index < accepted, mx.concatenate([drafts, drafts[:1]]), fallback)
     return accepted, block
+
+
+NONFINITE = -1  # the accepted count read back for a cycle whose head output was not finite
+
+
+def reject_nonfinite(accepted: mx.array, finite: mx.array) -> mx.array:
+    """The cycle's outcome as one scalar the loop reads in its one host sync: the accepted count, or
+    ``NONFINITE`` when the head's output was not finite (NaN/Inf weights or activations).
+
+    Args:
+        accepted: scalar int count from ``accept_greedy`` / ``accept_sampled`` (0 when not finite: those
+            functions must be given ``finite`` or see drafts that fail the test).
+        finite: scalar bool from ``Drafter.draft``.
+    """
+    return mx.where(finite, accepted, NONFINITE)
 
 
 class DepthPolicy(Protocol):
@@ -222,7 +250,7 @@ class _Loop:
 
     def launch(self, depth: int) -> _Cycle:
         """Queue a cycle at ``depth``: draft, verify ``[last, drafts…]`` in one trunk pass, accept."""
-        drafts, q = self.drafter.draft(depth)
+        drafts, q, finite = self.drafter.draft(depth)
         mx.async_eval(drafts)  # the head runs while the verify pass is built
         inputs = mx.concatenate([self.last, drafts])
         with rollback.capturing(inputs.size) as recorder:
@@ -231,7 +259,8 @@ class _Loop:
         if self.sampling is None:
             accepted, tokens = accept_greedy(logprobs, drafts)
         else:
-            accepted, tokens = accept_sampled(self.sampling.probs(logprobs), q, drafts)
+            accepted, tokens = accept_sampled(self.sampling.probs(logprobs), q, drafts, finite)
+        accepted = reject_nonfinite(accepted, finite)  # greedy: tokens are the trunk's argmax either way
         mx.async_eval(accepted, tokens)
         return _Cycle(depth, inputs, hidden, logprobs, accepted, tokens, recorder)
 
@@ -260,6 +289,7 @@ def generate(
     prompt_progress_callback: Callable[[int, int], None] | None = None,
     prefill_history: bool = True,
     stats: MTPStats | None = None,
+    health: HeadHealth | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Generate tokens with the head as drafter and the trunk as verifier (mlx-lm ``generate_step`` contract).
 
@@ -285,6 +315,9 @@ def generate(
         prefill_history: whether logits processors see the whole prompt (mlx-lm ≥ 0.32) or only the
             tokens after the chunked prefill, i.e. the last prompt token (earlier mlx-lm).
         stats: counters to fill (a fresh ``MTPStats`` if None).
+        health: the loaded head's ``HeadHealth`` (a fresh one if None): a cycle whose head output is not
+            finite counts as rejected and parks the head, as does acceptance under 2 % over its first
+            draft tokens; a parked head drafts no more (the rest of the generation is plain decoding).
 
     Yields:
         ``(token, logprobs)``: token id (int) and the trunk's log-probs (V,) at its position.
@@ -304,6 +337,9 @@ def generate(
     history = (prompt if prefill_history else prompt[-1:]) if processors else None
     drafter = Drafter(head, trunk, head_cache, sampling)
     loop = _Loop(trunk, cache, drafter, sampling, processors, history)
+    health = health if health is not None else HeadHealth("given to decoding.generate")
+    if health.parked:
+        drafter.stop()
 
     # Prefill exactly as plain decoding chunks it: all but the last prompt token, then the last.
     total, done, carry = prompt.size, 0, None
@@ -328,6 +364,8 @@ def generate(
         """Depth of the cycle after a block of at least ``block`` tokens; None if that block ends generation."""
         if max_tokens >= 0 and n + block >= max_tokens:
             return None
+        if drafter.stopped:
+            return PLAIN
         d = policy.next_depth()
         if not 0 <= d <= MAX_DEPTH:
             raise ValueError(f"depth policy chose depth {d}; it must be 0..{MAX_DEPTH}")
@@ -375,12 +413,23 @@ def generate(
                 continue
             cycle = item
             accepted = cycle.accepted.item()
+            if _parks(health, cycle.depth, accepted):
+                drafter.stop()
+            accepted = max(accepted, 0)
             block, block_logprobs = cycle.tokens[: accepted + 1].tolist(), cycle.logprobs
             loop.commit(cycle, accepted)
             following, launch = queue(ask(accepted + 1))
             policy.observe(cycle.depth, accepted, clock.lap() - launch + own_launch)
     finally:
         _settle(loop, kind, cycle, accepted, following, emitted, stats)
+
+
+def _parks(health: HeadHealth, depth: int, outcome: int) -> bool:
+    """Count a cycle's outcome (an accepted count or ``NONFINITE``) on ``health``; True when the head is parked."""
+    if outcome == NONFINITE:
+        health.nonfinite()
+        return True
+    return health.observe(depth, outcome)
 
 
 def _settle(loop: _Loop, kind: str, cycle: _Cycle | None, accepted: int, following, emitted: int, stats) -> None:

@@ -1,21 +1,23 @@
-"""Is a head trained or random initialisation? Two tells that need no inference (seed 003):
+"""Is a head trained or random initialisation? Tells that need no inference (seed 003):
 
 * norm weights still at their initial constant (every entry equal: 0 zero-centred, 1 absolute);
-* projections Gaussian (Pearson kurtosis ≈ 3) with the same std in every tensor — the initializer
-  range (e.g. 0.02), as reported for a random-init Ornith-1.5 head.
-Trained projections are heavy-tailed (kurtosis well above 3) and their stds differ.
+* every projection distributed as an initializer draws it: Gaussian (Pearson kurtosis ≈ 3: normal or
+  truncated-normal init, whatever the std of each tensor, so GPT-2-style residual projections scaled
+  down are covered) or uniform (kurtosis ≈ 1.8: MLX's default ``nn.Linear`` init, Xavier/Kaiming uniform).
+Trained projections are heavy-tailed: at least one tensor sits well above 3 (trained heads: 3.6-15).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 
-GAUSSIAN_KURTOSIS = 3.0
-KURTOSIS_TOLERANCE = 0.5  # sampling error of a small tensor; trained heads sit at 3.7-15
-STD_SPREAD = 0.15  # (max-min)/mean std over tensors; trained heads differ by ~50%
-SAMPLE = 1 << 20
+from .conventions import quantization_of
+
+INITIALIZERS = {"Gaussian": (3.0, 0.5), "uniform": (1.8, 0.3)}  # kurtosis and tolerance (small-tensor noise)
+SAMPLE = 1 << 18  # entries per tensor (sampling error of a Gaussian kurtosis: about 0.01)
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class Verdict:
 
 
 def kurtosis(values: np.ndarray) -> float:
-    """Pearson kurtosis E[(x-μ)^4]/σ^4 (3.0 for a Gaussian) of up to 2^20 evenly spaced entries."""
+    """Pearson kurtosis E[(x-μ)^4]/σ^4 (3.0 for a Gaussian) of up to ``SAMPLE`` evenly spaced entries."""
     v = np.asarray(values, dtype=np.float64).ravel()
     v = v[:: max(1, v.size // SAMPLE)]
     centred = v - v.mean()
@@ -45,12 +47,50 @@ def judge(norms: dict[str, np.ndarray], projections: dict[str, np.ndarray]) -> V
     kurt = {k: kurtosis(v) for k, v in projections.items()}
     if norms and all(float(np.ptp(v)) == 0.0 for v in norms.values()):
         return Verdict(False, "every norm weight is still a constant (its initial value)", means, stds, kurt)
-    if projections:
-        gaussian = all(abs(k - GAUSSIAN_KURTOSIS) < KURTOSIS_TOLERANCE for k in kurt.values())
-        mean_std = float(np.mean(list(stds.values())))
-        spread = (max(stds.values()) - min(stds.values())) / max(mean_std, 1e-12)
-        if gaussian and spread < STD_SPREAD:
-            return Verdict(False, f"projections Gaussian (kurtosis ~3) with one std ({mean_std:.4f}) in every "
-                           "tensor: the initializer", means, stds, kurt)
+    for name, (value, tolerance) in INITIALIZERS.items():
+        if projections and all(abs(k - value) < tolerance for k in kurt.values()):
+            return Verdict(False, f"every projection is {name} (kurtosis ~{value}) as an initializer draws it",
+                           means, stds, kurt)
     return Verdict(True, "norms moved from their initial value and projections are not initializer noise",
                    means, stds, kurt)
+
+
+def head_statistics(weights: dict, norm_names, in_features: dict[str, int]) -> tuple[dict, dict, dict]:
+    """What ``judge`` reads from a head: ``(norms, projections, labels)``.
+
+    Args:
+        weights: ``{canonical: mx.array}`` of a validated head (quantized linears as weight/scales/biases).
+        norm_names: the canonical names of its RMSNorm weights.
+        in_features: input width per linear module (``mtp_head_in_features``).
+
+    Returns:
+        norms and projections (dequantized; up to ``SAMPLE`` evenly spaced entries) as float32 numpy
+        arrays by name and module, and the quantization of each linear module as ``quantization_of`` reads
+        it (None: a float weight).
+    """
+    norms = {n: np.array(weights[n].astype(mx.float32)) for n in norm_names}
+    projections, labels = {}, {}
+    for name, value in weights.items():
+        if name in norms or not name.endswith(".weight") or value.ndim < 2:
+            continue
+        module = name[: -len(".weight")]
+        scales = weights.get(f"{module}.scales")
+        if scales is not None and module not in in_features:
+            continue
+        q = None if scales is None else quantization_of(value.shape, scales.shape, in_features[module])
+        labels[module] = q
+        projections[module] = _sampled_rows(value, scales, weights.get(f"{module}.biases"), q)
+    return norms, projections, labels
+
+
+def _sampled_rows(weight: mx.array, scales, biases, q: dict | None) -> np.ndarray:
+    """Evenly spaced rows of a (possibly quantized, possibly stacked) weight, about ``SAMPLE`` entries,
+    dequantized to float32: only those rows are dequantized, so the cost does not grow with the head."""
+    rows = weight.reshape(-1, weight.shape[-1])
+    width = rows.shape[-1] * (32 // q["bits"] if q and 32 % q["bits"] == 0 else 1)
+    step = max(1, rows.shape[0] * width // SAMPLE)
+    rows = rows[::step]
+    if q is not None:
+        pick = [a.reshape(-1, a.shape[-1])[::step] for a in (scales, biases) if a is not None]
+        rows = mx.dequantize(rows, pick[0], pick[1] if biases is not None else None, **q)
+    return np.array(rows.astype(mx.float32)).ravel()

@@ -33,6 +33,7 @@ class Drafter:
     def __init__(self, head: nn.Module, trunk, cache, sampling=None):
         self.head, self.trunk, self.cache, self.sampling = head, trunk, cache, sampling
         self.pending: list[tuple[mx.array, mx.array]] = []  # pairs (hidden (1, n, H), tokens (n,)) not yet fed
+        self.stopped = False
 
     def feed(self, hidden: mx.array, tokens: mx.array) -> mx.array:
         """Run the head on pairs (hidden (1, S, H), tokens (S,)), appending them to its cache; (1, S, H)."""
@@ -58,29 +59,38 @@ class Drafter:
         return hidden[:, -1:]
 
     def keep(self, hidden: mx.array, tokens: mx.array) -> None:
-        """Committed pairs (hidden (1, n, H), tokens (n,)), fed to the head by the next draft."""
-        self.pending.append((hidden, tokens))
+        """Committed pairs (hidden (1, n, H), tokens (n,)), fed to the head by the next draft (none once stopped)."""
+        if not self.stopped:
+            self.pending.append((hidden, tokens))
 
-    def draft(self, depth: int) -> tuple[mx.array, mx.array | None]:
+    def stop(self) -> None:
+        """Draft no more in this generation: kept pairs are dropped and no more are kept."""
+        self.stopped, self.pending = True, []
+
+    def draft(self, depth: int) -> tuple[mx.array, mx.array | None, mx.array]:
         """Queue ``depth`` draft steps after feeding every kept pair.
 
         Returns:
-            draft tokens (depth,) and, when sampling, the distributions q (depth, V) they were drawn from.
+            draft tokens (depth,); when sampling, the distributions q (depth, V) they were drawn from (else
+            None); and ``finite``, a scalar bool: every head output of the cycle is finite (a NaN or Inf in
+            the head's weights makes it False; ``decoding.reject_nonfinite`` turns that into a rejection).
         """
         hidden = mx.concatenate([h for h, _ in self.pending], axis=1) if len(self.pending) > 1 else self.pending[0][0]
         tokens = mx.concatenate([t for _, t in self.pending]) if len(self.pending) > 1 else self.pending[0][1]
         self.pending = []
         g = self.feed(hidden, tokens)[:, -1:]
-        drafts, qs = [], []
+        drafts, qs, outputs = [], [], []
         for k in range(depth):
             x, q = self.choose(g)
             drafts.append(x)
             qs.append(q)
+            outputs.append(g)
             if k < depth - 1:
                 g = self.feed(g, x)
+        finite = mx.isfinite(mx.concatenate(outputs, axis=1) if depth > 1 else g).all()
         if depth == 1:
-            return drafts[0], qs[0]
-        return mx.concatenate(drafts), None if self.sampling is None else mx.concatenate(qs)
+            return drafts[0], qs[0], finite
+        return mx.concatenate(drafts), None if self.sampling is None else mx.concatenate(qs), finite
 
     def accept(self, depth: int, hidden: mx.array, tokens: mx.array) -> None:
         """After a verify pass at ``depth``: drop the draft steps' rows, keep the accepted pairs

@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .checkpoint import HeadLocation, load_tensors, trunk_headers, trunk_norms
+from .checkpoint import HeadLocation, file_conventions, load_tensors
 from .conventions import (
     ABSOLUTE,
     CONTRACT_KEY,
@@ -28,7 +28,6 @@ from .conventions import (
     describe_quantization,
     is_norm,
     quantization_of,
-    reference_means,
 )
 from .plugins import hook
 
@@ -45,14 +44,15 @@ def normalised_head(location: HeadLocation) -> tuple[dict, dict[str, NormDecisio
     """
     weights = load_tensors(list(location.tensors.values()))
     weights = hook().mtp_sanitize_head(weights=weights, config=location.config) or weights
-    roles = hook().mtp_norm_roles(config=location.config) or {}
-    references = reference_means(trunk_norms(location, trunk_headers(location)), roles)
+    by_file = file_conventions(location)
     declared = declared_norms({**location.metadata, **location.config})
     decisions = {}
     for name, value in weights.items():
         if is_norm(name, value.shape):
             said = declared.get(name) if isinstance(declared, dict) else declared
-            decisions[name] = decide_norm(np.array(value.astype(mx.float32)), said, references.get(name))
+            stored = location.tensors.get(name)
+            evidence = by_file.get(stored.file) if stored is not None else None
+            decisions[name] = decide_norm(np.array(value.astype(mx.float32)), said, evidence)
             if decisions[name].convention == ZERO_CENTRED:
                 weights[name] = (value.astype(mx.float32) + 1.0).astype(value.dtype)
     return weights, decisions

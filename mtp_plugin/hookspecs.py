@@ -48,7 +48,8 @@ def mtp_sanitize_head(weights: dict, config: dict) -> dict | None:
 
 @hookspec(firstresult=True)
 def mtp_norm_roles(config: dict) -> dict | None:
-    """For each head RMSNorm (canonical name), the trunk tensor-name suffix of the norms with the same role."""
+    """For each head RMSNorm (canonical name), the trunk norms with the same role, named without the stack prefix
+    (``norm.weight``: the final norm; ``input_layernorm.weight``: every layer's; see ``conventions.plays_role``)."""
 
 
 @hookspec(firstresult=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import health
 from .checkpoint import CheckpointError, HeadLocation, find_head
 from .conventions import (
     ZERO_CENTRED,
@@ -17,9 +18,12 @@ from .conventions import (
     describe_quantization,
     quantization_of,
 )
-from .headfile import normalised_head
+from .diagnostics import head_statistics, judge
+from .health import HeadHealth
 from .plugins import hook
+from .settle import settle_norms
 from .stats import MTPStats
+from .validation import validate
 
 log = logging.getLogger("mtp_plugin")
 
@@ -36,6 +40,7 @@ class LoadedHead:
         stats: counters of the last generation that used this head, or None.
         controller: the adaptive depth controller (``controller.DepthController``) of automatic-depth
             generations, created by the first and kept for the next ones (``tuning.depth_policy``).
+        health: lifetime acceptance of the head and whether it is parked (``health.HeadHealth``).
         batching: a runtime adapter's state for batched MTP decoding with this head (e.g. its depth
             policies per batch size), created on first use and kept across batches.
     """
@@ -46,31 +51,41 @@ class LoadedHead:
     quantization: dict[str, str] = field(default_factory=dict)
     stats: MTPStats | None = None
     controller: object | None = None
+    health: HeadHealth | None = None
     batching: object | None = None
 
+    def __post_init__(self):
+        if self.health is None:
+            self.health = HeadHealth(", ".join(map(str, self.location.files)))
+
     def summary(self) -> str:
-        """One line: where the head came from, its naming, quantization and norm conventions."""
-        files = ", ".join(str(f.relative_to(self.location.model_dir)) for f in self.location.files)
+        """One line: where the head came from, its naming, quantization and norm conventions (and why it is
+        parked, if it is)."""
+        files = ", ".join(self.location.display(f) for f in self.location.files)
         quant = ",".join(sorted(set(self.quantization.values())))
         zero = sum(d.convention == ZERO_CENTRED for d in self.norms.values())
+        parked = f"; parked: {self.health.parked}" if self.health.parked else ""
         return (f"head from {files} ({', '.join(self.location.naming)}), {quant}, "
-                f"norms: {zero} zero-centred / {len(self.norms) - zero} absolute")
+                f"norms: {zero} zero-centred / {len(self.norms) - zero} absolute{parked}")
 
 
 def load_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | None:
     """Load the head of ``model_dir`` for trunk ``model``; None when the directory carries no head.
 
     Raises:
-        CheckpointError: head tensors that are present but incomplete, misshapen or unreadable; the
-            message names the file and tensor.
+        CheckpointError: every problem ``validation.validate`` finds (head files that cannot be read, metadata
+            that does not parse, tensors missing, misshapen or not finite), or a head that does not load
+            into the built module; the message names the file and the tensor or key.
     """
     location = find_head(Path(model_dir), config)
-    if not location.tensors:
+    if not location.tensors and not location.unusable:
         return None
     head = hook().mtp_build_head(model=model, config=config)
     if head is None:
         return None
-    weights, norms = normalised_head(location)
+    problems, weights, norms = validate(location)
+    if problems:
+        raise CheckpointError("; ".join(problems))
     quantization = _quantize_like(head, weights)
     try:
         head.load_weights(list(weights.items()), strict=True)
@@ -82,7 +97,18 @@ def load_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | N
         ) from None
     head.contract = Contract.from_metadata({**location.metadata, **config})
     mx.eval(head.parameters())
+    _warn_if_random(location, weights, norms)
     return LoadedHead(head, location, norms, quantization)
+
+
+def _warn_if_random(location: HeadLocation, weights: dict, norms: dict) -> None:
+    """One warning when the head's statistics say random initialisation (``diagnostics.judge``)."""
+    in_features = hook().mtp_head_in_features(config=location.config) or {}
+    verdict = judge(*head_statistics(weights, norms, in_features)[:2])
+    if not verdict.trained:
+        log.warning("mtp_plugin: MTP head in %s looks like random initialisation (%s); it is parked if it "
+                    "accepts under %d%% of its first %d draft tokens", ", ".join(map(str, location.files)),
+                    verdict.evidence, round(100 * health.MIN_ACCEPTANCE), health.PROBE_DRAFTS)
 
 
 def _quantize_like(head: nn.Module, weights: dict) -> dict[str, str]:
@@ -106,12 +132,14 @@ def _quantize_like(head: nn.Module, weights: dict) -> dict[str, str]:
 def attach_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | None:
     """Load the head of ``model_dir`` and keep it on ``model.mtp_head`` (a plain attribute, not a child).
 
+    Norm conventions that the files leave open are settled by the head's own predictions (``settle.py``).
     Never raises for a bad head: the trunk stays usable, the problem is logged once as a warning.
     """
     try:
-        loaded = load_head(model, model_dir, config)
+        model.mtp_head = load_head(model, model_dir, config)
+        if model.mtp_head is not None:
+            settle_norms(model)
     except (CheckpointError, ValueError) as e:
         log.warning("mtp_plugin: MTP head ignored, decoding without it: %s", e)
-        loaded = None
-    model.mtp_head = loaded
-    return loaded
+        model.mtp_head = None
+    return model.mtp_head

@@ -8,18 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
-from .checkpoint import HeadLocation, find_head, trunk_headers
+from .checkpoint import CheckpointError, HeadLocation, find_head, trunk_headers
 from .compat import head_config, mismatches
-from .conventions import (
-    describe_quantization,
-    quantization_of,
-)
-from .diagnostics import judge
-from .headfile import normalised_head
+from .conventions import describe_quantization
+from .diagnostics import head_statistics, judge
 from .plugins import hook
+from .validation import validate
 
 
 def trunk_quantization(location: HeadLocation, headers: dict) -> str:
@@ -44,15 +40,19 @@ def inspect_dir(model_dir: Path) -> dict:
     handled = location.model_type in sum(hook().mtp_model_types(), [])
     headers = trunk_headers(location)
     problems = []
+    try:
+        declared = location.declared_layers
+    except CheckpointError:
+        declared = None  # reported among the problems by the validation
     report = {
         "model_dir": str(location.model_dir),
         "model_type": location.model_type,
         "can_run": False,
         "mtp_tensors": len(location.tensors),
-        "declared_mtp_layers": location.declared_layers,
+        "declared_mtp_layers": declared,
         "present_mtp_layers": location.present_layers,
         "naming": location.naming,
-        "files": {str(f.relative_to(location.model_dir)): sum(t.file == f for t in location.tensors.values())
+        "files": {location.display(f): sum(t.file == f for t in location.tensors.values())
                   for f in location.files},
         "norm_convention": {},
         "head_quantization": {},
@@ -63,21 +63,21 @@ def inspect_dir(model_dir: Path) -> dict:
     if not handled:
         problems.append(f"model type {location.model_type!r} has no MTP support in any installed plugin")
         return report
-    if not location.tensors:
-        if location.declared_layers:
-            problems.append(f"config.json declares mtp_num_hidden_layers={location.declared_layers} but no head "
+    validated, weights, decisions = validate(location)
+    problems += validated
+    if not location.tensors and not problems:
+        if declared:
+            problems.append(f"config.json declares mtp_num_hidden_layers={declared} but no head "
                             "tensor is present in any file: the converter dropped it; graft one with "
                             "`mtp-plugin graft`")
         else:
             problems.append("no MTP head in this checkpoint; graft one with `mtp-plugin graft`")
         return report
-    missing = [n for n in hook().mtp_required_tensors(config=config) or [] if n not in location.tensors]
-    if missing:
-        problems.append(f"head incomplete: {len(missing)} tensors missing, first {missing[0]!r}; re-extract the "
-                        "head from the original checkpoint")
     shapes = {c: t.shape for c, t in location.tensors.items()}
     problems += [f"head does not fit this trunk: {m}" for m in mismatches(config, head_config(shapes))]
-    _describe_head(report, location)
+    if problems or weights is None:
+        return report
+    _describe_head(report, location, weights, decisions)
     if report["head_trained"] is False:
         problems.append(f"head looks like random initialisation ({report['head_trained_evidence']}); drafts would "
                         "almost never be accepted")
@@ -85,29 +85,17 @@ def inspect_dir(model_dir: Path) -> dict:
     return report
 
 
-def _describe_head(report: dict, location: HeadLocation) -> None:
-    weights, decisions = normalised_head(location)
+def _describe_head(report: dict, location: HeadLocation, weights: dict, decisions: dict) -> None:
     in_features = hook().mtp_head_in_features(config=location.config) or {}
-    norms, projections = {}, {}
     for name, decision in decisions.items():
         report["norm_convention"][name] = {"convention": decision.convention, "evidence": decision.evidence}
-        norms[name] = np.array(weights[name].astype(mx.float32))
-    for name, value in weights.items():
-        if name in decisions or not name.endswith(".weight") or value.ndim < 2:
-            continue
-        module = name[: -len(".weight")]
-        scales = weights.get(f"{module}.scales")
-        if scales is None:
-            report["head_quantization"][module] = describe_quantization(None, str(value.dtype).split(".")[-1])
-            projections[module] = np.array(value.astype(mx.float32))
-            continue
-        if module not in in_features:
-            report["problems"].append(f"{module}: quantized, but its input width is unknown to the plugin")
-            continue
-        q = quantization_of(value.shape, scales.shape, in_features[module])
-        report["head_quantization"][module] = describe_quantization(q, "")
-        dequantized = mx.dequantize(value, scales, weights.get(f"{module}.biases"), **q)
-        projections[module] = np.array(dequantized.astype(mx.float32))
+    norms, projections, labels = head_statistics(weights, decisions, in_features)
+    for module, q in labels.items():
+        dtype = str(weights[f"{module}.weight"].dtype).split(".")[-1]
+        report["head_quantization"][module] = describe_quantization(q, "" if q else dtype)
+    unknown = [n[: -len(".weight")] for n in weights if n.endswith(".weight") and weights[n].ndim >= 2
+               and n not in decisions and n[: -len(".weight")] not in labels]
+    report["problems"] += [f"{m}: quantized, but its input width is unknown to the plugin" for m in unknown]
     verdict = judge(norms, projections)
     report["head_trained"] = verdict.trained
     report["head_trained_evidence"] = verdict.evidence

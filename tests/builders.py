@@ -75,9 +75,14 @@ def randomize_norms(module: nn.Module) -> None:
 
 
 def build_head(model: nn.Module, config: dict, quantize: dict | None = None) -> dict[str, mx.array]:
-    """Random head weights (canonical names, absolute norms), optionally quantized ``{"bits", "group_size"}``."""
+    """Random head weights (canonical names, absolute norms), optionally quantized ``{"bits", "group_size"}``.
+
+    Its statistics are those of a trained head (norms moved, projections heavy-tailed: MLX's uniform init
+    scaled entry by entry by exp(N(0, 0.5²)), kurtosis ≈ 5), so that nothing judges it random initialisation.
+    """
     head = hook().mtp_build_head(model=model, config=config)
-    head.update(tree_map(lambda v: v * 1.0, head.parameters()))
+    head.update(tree_map(lambda v: v * mx.exp(0.5 * mx.random.normal(v.shape)) if v.ndim > 1 else v * 1.0,
+                         head.parameters()))
     randomize_norms(head)
     if quantize:
         nn.quantize(head, **quantize)

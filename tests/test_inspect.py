@@ -93,18 +93,6 @@ def test_mixed_convention_head_decided_per_tensor(tmp_path, trunk):
         np.testing.assert_allclose(np.array(loaded[k]), np.array(head[k]), rtol=0, atol=1e-6)
 
 
-def test_all_positive_zero_centred_norm_decided_by_trunk_reference(tmp_path, trunk):
-    """A zero-centred norm whose entries are all positive (effective scale > 1) has no sign tell."""
-    config, model, weights = trunk
-    head = build_head(model, config)
-    stored = dict(head)
-    stored["norm.weight"] = mx.random.uniform(0.1, 0.3, head["norm.weight"].shape)
-    trunk_norm = "language_model.model.norm.weight"
-    weights = {**weights, trunk_norm: mx.random.uniform(1.1, 1.3, weights[trunk_norm].shape)}
-    report = inspect_dir(save_checkpoint(tmp_path / "m", config, weights, stored, "mtp.safetensors"))
-    assert report["norm_convention"]["norm.weight"]["convention"] == "zero_centred"
-
-
 def test_cli_json_and_usage_errors(tmp_path, trunk):
     config, model, weights = trunk
     path = save_checkpoint(tmp_path / "m", config, weights, build_head(model, config), "mtp.safetensors")

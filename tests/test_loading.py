@@ -5,6 +5,7 @@ current release of each.
 """
 
 import importlib
+import json
 from importlib import metadata
 
 import mlx.core as mx
@@ -25,6 +26,9 @@ FORMS = {  # id: (head file, prefix, extra config, indexed shards)
     "sidecar": ("mtp.safetensors", "mtp.", {}, False),
     "sidecar-dir-bare": ("mtp/weights.safetensors", "", {}, False),
     "model-mtp": ("model-mtp.safetensors", "mtp.", {}, False),
+    "model-mtp-bare": ("model-mtp.safetensors", "", {}, False),  # mlx-lm's model*.safetensors glob reads it
+    "sidecar-bare": ("mtp.safetensors", "", {}, False),  # mlx-vlm's *.safetensors glob reads it
+    "sidecar-bare-indexed": ("mtp.safetensors", "", {}, True),  # listed in the index
     "config-named": ("heads/draft.safetensors", "mtp.", {"mtp_sidecar": "heads/draft.safetensors"}, False),
 }
 
@@ -58,6 +62,11 @@ def make_pair(tmp_path, kind, form, runtime="mlx_lm", head_quant=None):
     head = build_head(model, config, head_quant)
     plain = save_checkpoint(tmp_path / "plain", config, trunk, index=index)
     with_head = save_checkpoint(tmp_path / "head", config, trunk, head, head_file, prefix, index=index)
+    if form.endswith("-indexed"):  # the index lists the head file too
+        index_file = with_head / "model.safetensors.index.json"
+        listing = json.loads(index_file.read_text())
+        listing["weight_map"].update({prefix + k: head_file for k in head})
+        index_file.write_text(json.dumps(listing))
     return plain, with_head, head
 
 
@@ -90,7 +99,8 @@ def test_mlx_lm_quantized_head_differs_from_trunk(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("form", ["shard-mtp", "sidecar", "sidecar-dir-bare", "shard-language_model"])
+@pytest.mark.parametrize("form", ["shard-mtp", "sidecar", "sidecar-dir-bare", "shard-language_model", "sidecar-bare",
+                                  "model-mtp-bare"])
 def test_mlx_vlm_loads_every_head_form(tmp_path, kind, form):
     plain, with_head, head = make_pair(tmp_path, kind, form, runtime="mlx_vlm")
     model = vlm_load(with_head)

@@ -111,8 +111,8 @@ def mtp_norm_roles(config):
         return None
     return {
         "pre_fc_norm_embedding.weight": "layers.0.input_layernorm.weight",
-        "pre_fc_norm_hidden.weight": "model.norm.weight",
-        "norm.weight": "model.norm.weight",
+        "pre_fc_norm_hidden.weight": "norm.weight",
+        "norm.weight": "norm.weight",
         "layers.0.input_layernorm.weight": "input_layernorm.weight",
         "layers.0.post_attention_layernorm.weight": "post_attention_layernorm.weight",
         "layers.0.self_attn.q_norm.weight": "self_attn.q_norm.weight",
@@ -183,8 +183,9 @@ class QwenTrunk:
 
     def text_positions(self, cache, length):
         """mRoPE position ids (3, 1, S), int32, of the next S text tokens: offset of the first
-        full-attention layer's KV cache + arange(S) on every axis."""
-        offset = next(c.offset for layer, c in zip(self.text_model.layers, cache, strict=True) if not layer.is_linear)
+        full-attention layer's KV cache (0 without a cache) + arange(S) on every axis."""
+        offset = 0 if cache is None else next(c.offset for layer, c in zip(self.text_model.layers, cache, strict=True)
+                                              if not layer.is_linear)
         return mx.broadcast_to(mx.arange(offset, offset + length, dtype=mx.int32), (3, 1, length))
 
     def embed(self, tokens):
@@ -202,9 +203,11 @@ class QwenTrunk:
         return self.logits(self.text_model.norm(hidden) if self.pre_norm else hidden)
 
 
-def _handled(model) -> bool:
+def _handled(model, drafting: bool = False) -> bool:
+    """A Qwen3.5-family model with a loaded head (``drafting``: one that is not parked, see ``health.py``)."""
     loaded = getattr(model, "mtp_head", None)
-    return loaded is not None and loaded.location.model_type in MODEL_TYPES
+    ok = loaded is not None and loaded.location.model_type in MODEL_TYPES
+    return ok and not (drafting and loaded.health.parked)
 
 
 @hookimpl
@@ -215,8 +218,8 @@ def mtp_trunk(model, contract):
 
 @hookimpl
 def mtp_generate_step(prompt, model, options):
-    """The MTP decoding loop for a Qwen3.5-family model with a loaded head."""
-    if not _handled(model):
+    """The MTP decoding loop for a Qwen3.5-family model with a loaded head (None, i.e. stock, once it is parked)."""
+    if not _handled(model, drafting=True):
         return None
     head = model.mtp_head.module
-    return decoding.generate(prompt, QwenTrunk(model, head.contract), head, **options)
+    return decoding.generate(prompt, QwenTrunk(model, head.contract), head, health=model.mtp_head.health, **options)
