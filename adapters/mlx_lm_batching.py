@@ -62,6 +62,7 @@ class BatchContext:
 
     trunk: object
     drafter: BatchDrafter
+    health: object  # the loaded head's ``health.HeadHealth``: a parked head drafts no more
     start: int  # the depth a new policy starts at (tuned, else the default)
     policies: dict = field(default_factory=dict)  # batch size class (B.bit_length()) -> DepthController
     options: dict = field(default_factory=dict)  # uid -> the server's MTPRequest (or None)
@@ -145,7 +146,7 @@ def batching_model(model) -> BatchingModel | None:
     ctx = loaded.batching
     if ctx is None:
         start = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
-        ctx = loaded.batching = BatchContext(trunk, BatchDrafter(trunk, loaded.module), start)
+        ctx = loaded.batching = BatchContext(trunk, BatchDrafter(trunk, loaded.module), loaded.health, start)
     ctx.options.clear()  # request ids restart with each generator
     ctx.heads.clear()
     return BatchingModel(model, ctx)
@@ -315,8 +316,11 @@ class MTPGenerationBatch:
         """Row ``idx``'s trunk caches, unbatched (they hold ``tokens[idx]``)."""
         return [c.extract(idx) for c in self.prompt_cache]
 
-    def _depths(self, policy: DepthController) -> list[int]:
-        """Each row's depth this cycle: its own, or the policy's (asked once) for rows that follow it."""
+    def _depths(self, ctx: BatchContext, policy: DepthController) -> list[int]:
+        """Each row's depth this cycle: its own, or the policy's (asked once) for rows that follow it; 0 for
+        every row once the head is parked."""
+        if ctx.health.parked:
+            return [0] * len(self.rows)
         auto = policy.next_depth() if any(r.depth is None for r in self.rows) else None
         return [auto if r.depth is None else r.depth for r in self.rows]
 
@@ -339,7 +343,7 @@ class MTPGenerationBatch:
             return []
         ctx, start = context_of(self), time.perf_counter()
         policy = ctx.policy(len(self.rows))
-        depths, self.asked = self.asked or self._depths(policy), None
+        depths, self.asked = self.asked or self._depths(ctx, policy), None
         if max(depths) == 0:
             return self._plain(ctx, policy, start)
         if self.ahead is not None:  # leave pipelined plain steps: emit the queued tokens, draft next call
@@ -349,6 +353,8 @@ class MTPGenerationBatch:
 
     def _cycle(self, ctx: BatchContext, policy, depths: list[int], start: float) -> list:
         verified = ctx.drafter.cycle(self.rows, self.prompt_cache, self.head_cache, depths)
+        if verified.nonfinite:
+            ctx.health.nonfinite()
         emitted, finished = zip(*(self._finish(i, block) for i, block in enumerate(verified.blocks)), strict=True)
         for i, row in enumerate(self.rows):
             self.tokens[i] += [row.last, *verified.blocks[i][: emitted[i] - 1]]
@@ -359,6 +365,7 @@ class MTPGenerationBatch:
             if d:
                 row.stats.record(min(a, emitted[i]), emitted[i], d)
                 ctx.drafted, ctx.accepted = ctx.drafted + d, ctx.accepted + min(a, emitted[i])
+                ctx.health.observe(d, a)
             else:
                 row.stats.plain += 1
             if row.depth is None:

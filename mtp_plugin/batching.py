@@ -6,7 +6,9 @@ row accepts by its own rule (greedy, or exact rejection sampling with its own sa
 processors: ``decoding.accept_greedy`` / ``decoding.accept_sampled``), and every cache is rolled back to each
 row's own accepted prefix (``rollback.Recorder.commit_rows``) without running a token through the trunk again.
 Rows draft to different depths within one pass: a row's acceptance is computed on its own first d_r drafts
-only, so positions beyond them are verified and dropped (a row at depth 0 decodes one plain token).
+only, so positions beyond them are verified and dropped (a row at depth 0 decodes one plain token). A row
+whose head output is not finite has every draft rejected inside the acceptance computation
+(``decoding.reject_nonfinite``), read in the same host sync; the caller then parks the head.
 
 The design follows vLLM's speculative decoding scheduler (per-row accepted lengths, one batched verify
 pass; ``vllm/v1/spec_decode``) on mlx-lm's batched caches, whose per-row left padding absorbs the tokens a
@@ -25,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import rollback
-from .decoding import Sampling, accept_greedy, accept_sampled
+from .decoding import NONFINITE, Sampling, accept_greedy, accept_sampled, reject_nonfinite
 from .drafter import log_softmax
 from .stats import MTPStats
 
@@ -74,6 +76,7 @@ class Verified:
     hidden: mx.array  # (B, D+1, H) trunk hidden states of the inputs
     inputs: mx.array  # (B, D+1) ``[last, drafts…]``
     recorder: rollback.Recorder | None  # None for an all-plain step (nothing to roll back)
+    nonfinite: bool = False  # some row's head output was NaN/Inf: its drafts were rejected
 
 
 @dataclass
@@ -211,8 +214,9 @@ class BatchDrafter:
         depths = [d if row.pairs() else 0 for row, d in zip(rows, depths, strict=True)]
         width = max(depths)
         g = self._feed(rows, head_cache) if width else None  # parked rows keep their pairs for later
-        drafts, qs = [], []
+        drafts, qs, finite = [], [], mx.array(True)
         for k in range(width):
+            finite = finite & mx.all(mx.isfinite(g), axis=(1, 2))  # (B,) once a row's output is seen
             x, q = self._choose(rows, g, depths)
             drafts.append(x)
             qs.append(q)
@@ -237,19 +241,20 @@ class BatchDrafter:
                 tokens.append(mx.pad(self._pick(row, lp).astype(mx.uint32), [(0, width)]))
                 continue
             row_drafts = inputs[i, 1 : d + 1]
-            if row.sampling is None:
+            if row.sampling is None:  # greedy: the block is the trunk's argmax whatever the drafts
                 a, block = accept_greedy(lp, row_drafts)
             else:
                 q = mx.concatenate([qs[k][i] for k in range(d)], axis=0)
-                a, block = accept_sampled(row.sampling.probs(lp), q, row_drafts)
-            accepted.append(a)
+                a, block = accept_sampled(row.sampling.probs(lp), q, row_drafts, finite[i])
+            accepted.append(reject_nonfinite(a, finite[i]))
             tokens.append(mx.pad(block.astype(mx.uint32), [(0, width - d)]))
         accepted, tokens = mx.stack(accepted), mx.stack(tokens)
         logprobs = mx.stack(logprobs)
         mx.eval(accepted, tokens)
-        counts, table = accepted.tolist(), tokens.tolist()
+        outcomes, table = accepted.tolist(), tokens.tolist()
+        counts = [max(a, 0) for a in outcomes]
         blocks = [table[i][: a + 1] for i, a in enumerate(counts)]
-        return Verified(depths, counts, blocks, logprobs, hidden, inputs, recorder)
+        return Verified(depths, counts, blocks, logprobs, hidden, inputs, recorder, NONFINITE in outcomes)
 
     def commit(self, rows: list[Row], cache: list, head_cache, verified: Verified, keep: list[int]) -> None:
         """Keep each row's first ``keep[b]`` verified inputs (1 ≤ keep[b] ≤ accepted+1): caches rolled back,

@@ -7,6 +7,7 @@ leaves must equal a replay of its tokens.
 """
 
 import importlib
+import logging
 
 import mlx.core as mx
 import numpy as np
@@ -155,14 +156,18 @@ def test_rows_join_and_leave_between_cycles(trained, monkeypatch, schedule):
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    """A small-vocabulary float32 model with a random head: drafts are accepted and rejected often."""
+def small_path(tmp_path_factory):
+    """A small-vocabulary float32 checkpoint with a random head: drafts are accepted and rejected often."""
     config = config_for("qwen3_5")
     config["text_config"]["vocab_size"] = VOCAB
     built = build_model(config, seed=3)
-    path = save_checkpoint(tmp_path_factory.mktemp("small"), config, trunk_weights(built),
+    return save_checkpoint(tmp_path_factory.mktemp("small"), config, trunk_weights(built),
                            build_head(built, config), "mtp.safetensors")
-    return load_model(path)[0]
+
+
+@pytest.fixture(scope="module")
+def small(small_path):
+    return load_model(small_path)[0]
 
 
 def test_sampled_rows_keep_the_trunk_distribution(small):
@@ -220,3 +225,27 @@ def test_reused_prompt_cache_brings_the_head_history(trained):
     model.mtp_head.batching.store.clear()
     forgotten, whole = head_after_prompt([finals[first].prompt_cache], [list(prefix)], follow)
     assert not whole and forgotten.offset == len(follow) - 2  # only the new tokens: no pairs for the prefix
+
+
+def test_nonfinite_head_output_never_reaches_a_row(small_path, caplog):
+    """A head whose output turned NaN: sampled rows keep to the trunk's own top-k and run their full length, the
+    greedy row is the trunk's, and the head is parked with one warning (later cycles decode plain)."""
+    model = load_model(small_path)[0]
+    module = model.mtp_head.module
+    module.update({"fc": {"weight": mx.full(module.fc.weight.shape, mx.nan, dtype=module.fc.weight.dtype)}})
+    (greedy,) = stock_tokens(model, [PROMPT], [12])
+    generator, results, top_k = mtp_generator(model), {}, 3
+    with caplog.at_level(logging.WARNING, logger="mtp_plugin"):
+        sampled = insert(generator, [PROMPT] * 3, [12] * 3, [MTPRequest(True, 2)] * 3,
+                         sampler=make_sampler(temp=1.0, top_k=top_k))
+        (plain,) = insert(generator, [PROMPT], [12], [MTPRequest(True, 3)])
+        while responses := generator.next_generated():
+            for r in responses:
+                results.setdefault(r.uid, []).append((r.token, np.array(r.logprobs)))
+    assert [t for t, _ in results[plain]] == greedy
+    for uid in sampled:
+        assert len(results[uid]) == 12
+        for token, logprobs in results[uid]:
+            assert np.isfinite(logprobs).all() and token in np.argsort(-logprobs)[:top_k]
+    assert "not finite" in model.mtp_head.health.parked
+    assert len([r for r in caplog.records if "parked" in r.getMessage()]) == 1
