@@ -182,10 +182,16 @@ class _Loop:
     ``history`` the tokens the logits processors have seen (None without processors).
     """
 
-    def __init__(self, trunk, cache, drafter, sampling, processors, history):
+    def __init__(self, trunk, cache, drafter, sampling, processors, history, cache_step=None):
         self.trunk, self.cache, self.drafter = trunk, cache, drafter
         self.sampling, self.processors = sampling, processors
         self.last, self.history = None, history
+        self.cache_step = cache_step
+
+    def after_pass(self) -> int | None:
+        """Run the runtime's cache step on the committed cache (e.g. KV quantization); the most tokens the
+        next trunk pass may feed (None: no limit)."""
+        return None if self.cache_step is None else self.cache_step(self.cache)
 
     def logprobs_at(self, logits: mx.array, inputs: mx.array, past: mx.array | None) -> mx.array:
         """Log-probs (S, V) after the processors, position i seeing ``past`` + ``inputs[:i+1]``."""
@@ -260,6 +266,7 @@ def generate(
     prompt_progress_callback: Callable[[int, int], None] | None = None,
     prefill_history: bool = True,
     stats: MTPStats | None = None,
+    cache_step: Callable[[list], int | None] | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Generate tokens with the head as drafter and the trunk as verifier (mlx-lm ``generate_step`` contract).
 
@@ -285,6 +292,11 @@ def generate(
         prefill_history: whether logits processors see the whole prompt (mlx-lm ≥ 0.32) or only the
             tokens after the chunked prefill, i.e. the last prompt token (earlier mlx-lm).
         stats: counters to fill (a fresh ``MTPStats`` if None).
+        cache_step: called with ``cache`` after every trunk pass, once the pass is committed (each prefill
+            chunk, the prompt pass, each plain step and cycle, and when the generator ends), where the
+            runtime's own loop calls it after each step (mlx-lm: KV cache quantization); it returns the
+            most tokens the next pass may feed without changing what the runtime would compute (None: no
+            limit; 1: a plain step), and the loop drafts at most that many tokens minus one.
 
     Yields:
         ``(token, logprobs)``: token id (int) and the trunk's log-probs (V,) at its position.
@@ -303,7 +315,7 @@ def generate(
     callback = prompt_progress_callback or (lambda *_: None)
     history = (prompt if prefill_history else prompt[-1:]) if processors else None
     drafter = Drafter(head, trunk, head_cache, sampling)
-    loop = _Loop(trunk, cache, drafter, sampling, processors, history)
+    loop = _Loop(trunk, cache, drafter, sampling, processors, history, cache_step)
 
     # Prefill exactly as plain decoding chunks it: all but the last prompt token, then the last.
     total, done, carry = prompt.size, 0, None
@@ -311,6 +323,7 @@ def generate(
     while total - done > 1:
         chunk = prompt[done : done + min(prefill_step_size, total - done - 1)]
         carry = drafter.prefill(carry, trunk.hidden(chunk[None], cache), chunk)
+        loop.after_pass()
         mx.eval([c.state for c in cache], head_cache.state)
         done += chunk.size
         callback(done, total)
@@ -325,13 +338,15 @@ def generate(
     n = emitted = accepted = 0
 
     def ask(block: int) -> int | None:
-        """Depth of the cycle after a block of at least ``block`` tokens; None if that block ends generation."""
+        """Depth of the cycle after a block of at least ``block`` tokens (the committed cache's step run
+        first); None if that block ends generation."""
+        span = loop.after_pass()
         if max_tokens >= 0 and n + block >= max_tokens:
             return None
         d = policy.next_depth()
         if not 0 <= d <= MAX_DEPTH:
             raise ValueError(f"depth policy chose depth {d}; it must be 0..{MAX_DEPTH}")
-        return d
+        return d if span is None else min(d, span - 1)
 
     def queue(d: int | None):
         """What produces the next block, queued now: ``("plain", step)``, ``("cycle", started cycle)`` or None;
@@ -393,6 +408,7 @@ def _settle(loop: _Loop, kind: str, cycle: _Cycle | None, accepted: int, followi
     if emitted == 0:  # raised between blocks: the previous block's last token is the cycle's first input
         if kind == "cycle":
             cycle.recorder.commit(loop.cache, 1)
+            loop.after_pass()
             mx.eval([c.state for c in loop.cache])
         return
     if kind == "plain":
@@ -411,4 +427,5 @@ def _settle(loop: _Loop, kind: str, cycle: _Cycle | None, accepted: int, followi
                 if id(c) not in cycle.recorder.layers and c.is_trimmable():
                     c.trim(fed)
         cycle.recorder.commit(loop.cache, emitted + 1)
+    loop.after_pass()
     mx.eval([c.state for c in loop.cache])
