@@ -164,7 +164,8 @@ def print_summary(generate):
         loaded = getattr(model, "mtp_head", None)
         if loaded is not None:
             loaded.stats = None
-            enabled = kwargs.get("enable_mtp", CLI["enabled"])
+            # a draft model: mlx-lm's speculative decoding, stock
+            enabled = kwargs.get("enable_mtp", CLI["enabled"]) and kwargs.get("draft_model") is None
             if kwargs.get("verbose") and enabled:
                 announce(loaded, kwargs.get("mtp_depth") or CLI["depth"])
         text = generate(model, tokenizer, prompt, *args, **kwargs)

@@ -118,12 +118,15 @@ def answer_bad_options(do_post):
 
 
 def carry_request_options(generate):
-    """Wrap ``ResponseGenerator.generate``: attach the handler thread's MTP options to the request's arguments."""
+    """Wrap ``ResponseGenerator.generate``: attach the handler thread's MTP options to the request's arguments
+    (when there are any: whatever mlx-lm does with its arguments, e.g. raise "generation thread died", it does)."""
 
     @functools.wraps(generate)
-    def wrapper(self, request, generation_args, *args, **kwargs):
-        generation_args.mtp = getattr(_handler, "request", None) or MTPRequest()
-        return generate(self, request, generation_args, *args, **kwargs)
+    def wrapper(self, *args, **kwargs):
+        generation_args = kwargs.get("generation_args", args[1] if len(args) > 1 else None)
+        if generation_args is not None:
+            generation_args.mtp = getattr(_handler, "request", None) or MTPRequest()
+        return generate(self, *args, **kwargs)
 
     return wrapper
 

@@ -163,7 +163,8 @@ def test_sampling_decodes_stock(load):
     assert model.mtp_head.stats is None
 
 
-@pytest.mark.parametrize("option", [{"max_kv_size": 64}, {"max_kv_size": 12}, {"kv_bits": 8, "quantized_kv_start": 10**6}])
+@pytest.mark.parametrize("option", [{"max_kv_size": 64}, {"max_kv_size": 12},
+                                    {"kv_bits": 8, "quantized_kv_start": 10**6}])
 def test_kv_cache_options_decode_stock(load, option):
     """mlx-vlm's rotating / quantized KV caches decode as stock mlx-vlm does (one warning), never an error."""
     model = load("qwen3_5", "sidecar")
