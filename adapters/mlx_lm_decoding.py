@@ -93,12 +93,13 @@ def decoding_options(model, loaded, prompt, depth, kwargs) -> dict | None:
             log.warning("mtp_plugin: a rotating KV cache of %d tokens could wrap during this generation and "
                         "cannot be rolled back after a rejected draft; decoding without MTP.", c.max_size)
             return None
-    depth = depth or CLI["depth"]  # 0 / None: automatic (adaptive); a depth policy object is used as given
-    loaded.stats = MTPStats(depth if isinstance(depth, int) and depth else None)
+    automatic = depth is None or (type(depth) is int and depth == 0)  # the CLI's --mtp-depth (0: adaptive)
+    policy = depth_policy(CLI["depth"] if automatic else depth, loaded)  # raises on a bad depth
+    loaded.stats = MTPStats(policy if isinstance(policy, int) else None)
     return {
         "cache": cache,
         "head_cache": KVCache(),
-        "depth": depth_policy(depth, loaded),
+        "depth": policy,
         "max_tokens": max_tokens,
         "sampling": None if sampler is None else SAMPLINGS[sampler],
         "logits_processors": kwargs["logits_processors"],

@@ -133,12 +133,13 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict 
     prompt_size = args["input_ids"].size
     step = args.get("prefill_step_size")
     chunked = step is not None and (prompt_size > 1 if CHUNKS_EVERY_PROMPT else prompt_size > step)
-    loaded.stats = MTPStats(depth if isinstance(depth, int) and depth else None)
+    policy = depth_policy(depth, loaded)  # raises on a bad depth
+    loaded.stats = MTPStats(policy if isinstance(policy, int) else None)
     cache = args.get("prompt_cache")
     return {
         "cache": make_prompt_cache(model.language_model) if cache is None else cache,
         "head_cache": KVCache(),
-        "depth": depth_policy(depth, loaded),
+        "depth": policy,
         "max_tokens": args["max_tokens"],
         "logits_processors": _processors(ar, args),
         "prefill_step_size": step or prompt_size,

@@ -195,14 +195,35 @@ def test_rotating_prompt_cache(model, caplog, max_size, wraps):
     assert (model.mtp_head.stats is not None and model.mtp_head.stats.cycles > 0) != wraps
 
 
-def test_invalid_depth_is_refused(model):
-    with pytest.raises(ValueError, match="draft depth"):
-        tokens(model, PROMPTS["short"], max_tokens=4, mtp_depth=9)
-
-
 def test_head_memory_is_released(model):
     """Rollback keeps S states per layer, never context-length state: nothing of a generation outlives it."""
     del model.mtp_head.stats
     before = sum(v.nbytes for _, v in tree_flatten(model.mtp_head.module.parameters()))
     tokens(model, PROMPTS["long"], max_tokens=8, mtp_depth=4)
     assert sum(v.nbytes for _, v in tree_flatten(model.mtp_head.module.parameters())) == before
+
+
+@pytest.mark.parametrize("depth", ["3", 2.5, True, False, -1, 9, object()])
+def test_bad_depth_is_refused_with_its_name(model, depth):
+    """Anything but an integer 0-8, None or a depth policy is refused before decoding, naming the option."""
+    with pytest.raises(ValueError, match="mtp_depth"):
+        tokens(model, PROMPTS["short"], max_tokens=4, mtp_depth=depth)
+
+
+@pytest.mark.parametrize("depth", [np.int64(2), 0, None])
+def test_integer_like_depths(model, depth):
+    mtp = tokens(model, PROMPTS["short"], max_tokens=8, mtp_depth=depth)
+    assert model.mtp_head.stats.depth == (2 if depth else None)
+    assert mtp == tokens(model, PROMPTS["short"], max_tokens=8, enable_mtp=False)
+
+
+@pytest.mark.parametrize("fallback", [{"enable_mtp": False}, {"sampler": lambda logprobs: mx.argmax(logprobs, -1)},
+                                      {"prompt_cache": "rotating"}])
+def test_stats_are_reset_when_a_generation_decodes_stock(model, fallback):
+    """``model.mtp_head.stats`` describes the last generation: None when it did not decode with MTP."""
+    tokens(model, PROMPTS["short"], max_tokens=8, mtp_depth=2)
+    assert model.mtp_head.stats.cycles > 0
+    if fallback.get("prompt_cache") == "rotating":
+        fallback = {"prompt_cache": rotating_cache(model, 12)}
+    tokens(model, PROMPTS["short"], max_tokens=8, **fallback)
+    assert model.mtp_head.stats is None

@@ -157,6 +157,12 @@ def test_headless_checkpoint_decodes_stock(built, tmp_path):
     assert tokens(model, SHORT) == patched
 
 
+@pytest.mark.parametrize("depth", ["3", 2.5, True, 9])
+def test_bad_depth_is_refused_with_its_name(load, depth):
+    with pytest.raises(ValueError, match="mtp_depth"):
+        tokens(load("qwen3_5", "sidecar"), SHORT, mtp_depth=depth)
+
+
 def test_sampling_decodes_stock(load):
     model = load("qwen3_5", "sidecar")
     tokens(model, SHORT, temperature=0.7, max_tokens=4)
