@@ -27,6 +27,7 @@ depends on its accepted count, so it is built after that count is read.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from .stats import MTPStats
 
 DEFAULT_DEPTH = 2
 MAX_DEPTH = 8
+log = logging.getLogger("mtp_plugin")
 
 
 class Trunk(Protocol):
@@ -187,6 +189,7 @@ class _Loop:
         self.sampling, self.processors = sampling, processors
         self.last, self.history = None, history
         self.cache_step = cache_step
+        self.uncaptured = False  # the capture points were found gone: plain steps only
 
     def after_pass(self) -> int | None:
         """Run the runtime's cache step on the committed cache (e.g. KV quantization); the most tokens the
@@ -226,13 +229,24 @@ class _Loop:
         self.drafter.keep(hidden, following)
         self.last = following
 
-    def launch(self, depth: int) -> _Cycle:
-        """Queue a cycle at ``depth``: draft, verify ``[last, drafts…]`` in one trunk pass, accept."""
+    def launch(self, depth: int) -> _Cycle | None:
+        """Queue a cycle at ``depth``: draft, verify ``[last, drafts…]`` in one trunk pass, accept.
+
+        None, with every cache as it was, when the runtime's capture points were gone during the pass
+        (``mtp_plugin.unpatch()`` on another thread): the cycle could not be rolled back; from then on
+        the generation goes on in plain steps (``uncaptured``)."""
         drafts, q = self.drafter.draft(depth)
         mx.async_eval(drafts)  # the head runs while the verify pass is built
         inputs = mx.concatenate([self.last, drafts])
+        undo = rollback.snapshot(self.cache)
         with rollback.capturing(inputs.size) as recorder:
             hidden = self.trunk.hidden(inputs[None], self.cache)
+        if recorder.missed(self.cache):
+            undo(inputs.size)
+            self.uncaptured = True
+            log.warning("mtp_plugin: the runtime was unpatched during this generation; it goes on with plain "
+                        "decoding steps (the same tokens).")
+            return None
         logprobs = self.logprobs_at(self.trunk.trunk_logits(hidden[0]), inputs, self.history)
         if self.sampling is None:
             accepted, tokens = accept_greedy(logprobs, drafts)
@@ -354,7 +368,8 @@ def generate(
         start = time.perf_counter()
         if d is None:
             return None, 0.0
-        queued = ("plain", loop.plain_step()) if d == PLAIN else ("cycle", loop.launch(d))
+        cycle = None if d == PLAIN or loop.uncaptured else loop.launch(d)
+        queued = ("plain", loop.plain_step()) if cycle is None else ("cycle", cycle)
         return queued, time.perf_counter() - start
 
     # Each block's successor is queued before the block is yielded (and, after a plain step or the prompt

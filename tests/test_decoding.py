@@ -7,6 +7,7 @@ exercises acceptance at every depth.
 
 import dataclasses
 import importlib
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -26,6 +27,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_model
 
+import mtp_plugin
 from mtp_plugin import rollback
 
 PROMPTS = {"1-token": [7], "short": [3, 17, 42, 99, 7, 128, 5, 64],
@@ -227,3 +229,34 @@ def test_stats_are_reset_when_a_generation_decodes_stock(model, fallback):
         fallback = {"prompt_cache": rotating_cache(model, 12)}
     tokens(model, PROMPTS["short"], max_tokens=8, **fallback)
     assert model.mtp_head.stats is None
+
+
+@pytest.mark.parametrize("after", [1, 4])
+def test_unpatch_during_generation_finishes_it(model, caplog, after):
+    """``mtp_plugin.unpatch()`` between two tokens of an MTP generation (as another thread may call it): the
+    generation finishes (the cycles it can no longer roll back become plain steps), with plain decoding's
+    tokens and cache, and one warning that says why."""
+    plain_cache, mtp_cache = make_prompt_cache(model), make_prompt_cache(model)
+    plain = tokens(model, PROMPTS["short"], max_tokens=16, prompt_cache=plain_cache, enable_mtp=False)
+    generator = generate_step(mx.array(PROMPTS["short"]), model, max_tokens=16, prompt_cache=mtp_cache, mtp_depth=3)
+    mtp = [next(generator)[0] for _ in range(after)]
+    mtp_plugin.unpatch()
+    mtp += [t for t, _ in generator]
+    assert mtp == plain
+    for a, b in zip(cache_arrays(mtp_cache), cache_arrays(plain_cache), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert sum("unpatched during this generation" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_unpatch_from_another_thread(model):
+    """A generation on one thread while the main thread unpatches and patches again, many times."""
+    plain = tokens(model, PROMPTS["long"], max_tokens=48, enable_mtp=False)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(tokens=tokens(model, PROMPTS["long"], max_tokens=48,
+                                                                          mtp_depth=2)))
+    worker.start()
+    while worker.is_alive():
+        mtp_plugin.unpatch()
+        mtp_plugin.patch()
+    worker.join()
+    assert result["tokens"] == plain
