@@ -170,7 +170,7 @@ def pass_options(stream_generate):
     def wrapper(model, tokenizer, prompt, *args, **kwargs):
         options = getattr(_serving, "request", None)
         loaded = getattr(model, "mtp_head", None)
-        if options is None or loaded is None:
+        if options is None or loaded is None or kwargs.get("draft_model") is not None:  # a draft model: stock
             yield from stream_generate(model, tokenizer, prompt, *args, **kwargs)
             return
         loaded.stats = None

@@ -223,3 +223,29 @@ def test_dead_generation_thread_raises_mlx_lms_own_error(call):
     rg.join()
     with pytest.raises(RuntimeError, match="generation thread died"):
         call(rg)
+
+
+def outcome(server: Server, path: str, body: dict) -> tuple:
+    """``(status, text)`` of a request, or ``("disconnected",)`` when the server dropped the connection."""
+    try:
+        status, answer = server.post(path, body)
+    except (urllib.error.URLError, ConnectionError) as e:  # http.client.RemoteDisconnected is a ConnectionError
+        return ("disconnected", type(e).__name__)
+    return status, text_of(answer) if status == 200 else answer
+
+
+def test_draft_model_server_is_stock(workdir):
+    """``mlx_lm.server --draft-model``: mlx-lm's own speculative decoding, answered as stock mlx-lm answers (on
+    this hybrid checkpoint stock mlx-lm fails: its GatedDeltaNet caches cannot be trimmed)."""
+    answers, logs = [], []
+    for env in (environment(), environment(MTP_PLUGIN_DISABLE="1")):
+        s = Server(server_command("--model", str(MLX4), "--draft-model", str(MLX4), "--num-draft-tokens", "2"),
+                   workdir, env)
+        try:
+            answers.append([outcome(s, "/v1/completions", completion(PROMPTS[0])),
+                            outcome(s, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 12})])
+        finally:
+            s.stop()
+        logs.append([line for line in s.log.read_text().splitlines() if "Error" in line])
+    assert answers[0] == answers[1]
+    assert logs[0] == logs[1]  # the same errors (if any), stock's own
