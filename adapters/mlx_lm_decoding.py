@@ -20,10 +20,10 @@ import logging
 import sys
 import weakref
 
-from mtp_plugin.decoding import MAX_DEPTH, Sampling
+from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH, Sampling
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
-from mtp_plugin.tuning import depth_policy
+from mtp_plugin.tuning import depth_policy, start_depth
 
 from .patching import release
 
@@ -94,7 +94,14 @@ def decoding_options(model, loaded, prompt, depth, kwargs) -> dict | None:
                         "cannot be rolled back after a rejected draft; decoding without MTP.", c.max_size)
             return None
     automatic = depth is None or (type(depth) is int and depth == 0)  # the CLI's --mtp-depth (0: adaptive)
-    policy = depth_policy(CLI["depth"] if automatic else depth, loaded)  # raises on a bad depth
+    depth = CLI["depth"] if automatic else depth
+    if sampler is not None and not depth:
+        # Sampling: the same seed must give the same tokens, as in stock mlx-lm, so the depth must not depend
+        # on timing (the adaptive controller): the tuned depth, fixed; tuned plain: stock decoding.
+        depth = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
+        if depth == 0:
+            return None
+    policy = depth_policy(depth, loaded)  # raises on a bad depth
     loaded.stats = MTPStats(policy if isinstance(policy, int) else None)
     return {
         "cache": cache,

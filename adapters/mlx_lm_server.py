@@ -132,8 +132,11 @@ def carry_request_options(generate):
 
 
 def _decodes_with_mtp(model_provider, generation_args) -> bool:
+    """Whether a request decodes with MTP: it wants it, the model has a head, and no draft model is loaded
+    (a draft model's requests run mlx-lm's own decoding, batched or speculative, as stock)."""
     options = getattr(generation_args, "mtp", None)
-    return options is not None and options.wanted and getattr(model_provider.model, "mtp_head", None) is not None
+    return (options is not None and options.wanted and getattr(model_provider.model, "mtp_head", None) is not None
+            and getattr(model_provider, "draft_model", None) is None)
 
 
 def keep_mtp_out_of_batches(is_batchable):

@@ -96,3 +96,27 @@ def test_prompt_cache_file(tmp_path, flags, disabled):
     command = [BIN / "mlx_lm.generate", "--prompt-cache-file", cache_file, "--prompt", REST, "--max-tokens", "24",
                "--ignore-chat-template", *flags]
     assert_same_as_stock(command, with_mtp=True)
+
+
+def test_load_model_with_callers_own_classes():
+    """``load_model(get_model_classes=…)`` builds the caller's own class for a checkpoint with a head: the
+    plugin leaves it alone (no head, no error), as mlx-lm's own test suite checks."""
+    import mlx.nn as nn
+    from mlx_lm.utils import load_model
+
+    class Custom(nn.Module):
+        def __init__(self, args):
+            super().__init__()
+            self.args = args
+
+        def load_weights(self, weights, **kwargs):
+            self.weights_given = weights
+
+    class Args:
+        @classmethod
+        def from_dict(cls, config):
+            return cls()
+
+    model, _ = load_model(MLX4, get_model_classes=lambda config: (Custom, Args))
+    assert isinstance(model, Custom) and model.weights_given
+    assert getattr(model, "mtp_head", None) is None
