@@ -95,7 +95,8 @@ def decoding_options(model, loaded, prompt, depth, kwargs) -> dict | None:
             return None
     automatic = depth is None or (type(depth) is int and depth == 0)  # the CLI's --mtp-depth (0: adaptive)
     depth = CLI["depth"] if automatic else depth
-    if sampler is not None and not depth:
+    sampling = None if sampler is None else SAMPLINGS[sampler]  # None: greedy (also mlx-lm's temp=0 sampler)
+    if sampling is not None and not depth:
         # Sampling: the same seed must give the same tokens, as in stock mlx-lm, so the depth must not depend
         # on timing (the adaptive controller): the tuned depth, fixed; tuned plain: stock decoding.
         depth = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
@@ -108,7 +109,7 @@ def decoding_options(model, loaded, prompt, depth, kwargs) -> dict | None:
         "head_cache": KVCache(),
         "depth": policy,
         "max_tokens": max_tokens,
-        "sampling": None if sampler is None else SAMPLINGS[sampler],
+        "sampling": sampling,
         "logits_processors": kwargs["logits_processors"],
         "prefill_step_size": kwargs["prefill_step_size"],
         "prompt_progress_callback": kwargs["prompt_progress_callback"],
