@@ -74,7 +74,12 @@ def decoding_options(model, loaded, prompt, depth, kwargs) -> dict | None:
     models build their own caches and ignore it), ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start``
     by mlx-lm's own ``maybe_quantize_kv_cache`` after every committed pass (``kv_quantizer``). A rotating
     KV cache (a ``prompt_cache`` holding ``RotatingKVCache`` layers) is exact while it never wraps; one that
-    could wrap during this generation cannot be rolled back, and decodes stock with a warning.
+    could wrap during this generation cannot be rolled back, and decodes stock with a warning. A sampled
+    generation with the automatic depth uses the tuned depth, fixed (tuned plain: stock), so that a seed fixes
+    its tokens as in stock mlx-lm.
+
+    Raises:
+        ValueError: a bad ``mtp_depth`` (``tuning.depth_policy``).
     """
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
@@ -96,7 +101,7 @@ def decoding_options(model, loaded, prompt, depth, kwargs) -> dict | None:
     automatic = depth is None or (type(depth) is int and depth == 0)  # the CLI's --mtp-depth (0: adaptive)
     depth = CLI["depth"] if automatic else depth
     sampling = None if sampler is None else SAMPLINGS[sampler]  # None: greedy (also mlx-lm's temp=0 sampler)
-    if sampling is not None and not depth:
+    if sampling is not None and automatic and not depth:
         # Sampling: the same seed must give the same tokens, as in stock mlx-lm, so the depth must not depend
         # on timing (the adaptive controller): the tuned depth, fixed; tuned plain: stock decoding.
         depth = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)

@@ -88,3 +88,10 @@ def test_same_seed_same_tokens(model, depth):
                                                  sampler=make_sampler(temp=0.9))])
     assert runs[0] == runs[1] == runs[2]
     assert model.mtp_head.stats.drafted > 0
+
+
+@pytest.mark.parametrize("depth", ["3", 2.5, True, False])
+def test_bad_depth_is_refused_when_sampling(model, depth):
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    with pytest.raises(ValueError, match="mtp_depth"):
+        generate_step(mx.array(PROMPT), model, max_tokens=4, mtp_depth=depth, sampler=make_sampler(temp=0.9))
