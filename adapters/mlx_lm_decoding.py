@@ -20,10 +20,10 @@ import logging
 import sys
 import weakref
 
-from mtp_plugin.decoding import MAX_DEPTH, Sampling
+from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH, Sampling
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
-from mtp_plugin.tuning import depth_policy
+from mtp_plugin.tuning import depth_policy, start_depth
 
 from .patching import release
 
@@ -35,10 +35,6 @@ PREFILL_IN_HISTORY = release("mlx-lm") >= (0, 32, 0)
 CLI = {"depth": 0, "enabled": True}  # set by --mtp-depth / --no-mtp; 0 = automatic
 CAPTURED: set[str] = set()  # linear-attention modules whose layers have capture points (set when patched)
 SAMPLINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sampler -> Sampling, None when greedy
-
-
-class MTPUnsupported(ValueError):
-    """A generation option the MTP loop cannot honour; the message names it and the fix."""
 
 
 def describe_samplers(make_sampler):
@@ -71,52 +67,100 @@ def describe_samplers(make_sampler):
     return wrapper
 
 
-def decoding_options(model, loaded, depth, kwargs) -> dict | None:
-    """Options for ``mtp_generate_step`` from ``generate_step`` keyword arguments, or None for stock decoding.
+def decoding_options(model, loaded, prompt, depth, kwargs) -> dict | None:
+    """Options for ``mtp_generate_step`` from ``generate_step``'s keyword arguments (its defaults filled in),
+    or None for stock decoding.
+
+    Every stock option is honoured exactly: ``max_kv_size`` as ``make_prompt_cache`` does (Qwen3.5-family
+    models build their own caches and ignore it), ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start``
+    by mlx-lm's own ``maybe_quantize_kv_cache`` after every committed pass (``kv_quantizer``). A rotating
+    KV cache (a ``prompt_cache`` holding ``RotatingKVCache`` layers) is exact while it never wraps; one that
+    could wrap during this generation cannot be rolled back, and decodes stock with a warning. A sampled
+    generation with the automatic depth uses the tuned depth, fixed (tuned plain: stock), so that a seed fixes
+    its tokens as in stock mlx-lm.
 
     Raises:
-        MTPUnsupported: ``max_kv_size`` (a rotating cache cannot be rolled back) or ``kv_bits``.
+        ValueError: a bad ``mtp_depth`` (``tuning.depth_policy``).
     """
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-    if kwargs.get("input_embeddings") is not None:
+    if kwargs["input_embeddings"] is not None:
         return None
-    for option, why in (("max_kv_size", "a rotating KV cache cannot be rolled back after a rejected draft"),
-                        ("kv_bits", "the MTP loop does not quantize the KV cache")):
-        if kwargs.get(option) is not None:
-            raise MTPUnsupported(f"MTP decoding cannot honour {option}={kwargs[option]}: {why}; "
-                                 "drop the option or disable MTP (--no-mtp / enable_mtp=False)")
-    sampler = kwargs.get("sampler")
+    sampler = kwargs["sampler"]
     if sampler is not None and sampler not in SAMPLINGS:
         log.warning("mtp_plugin: a custom sampler has no known distribution; decoding without MTP.")
         return None
-    depth = depth or CLI["depth"]  # 0 / None: automatic (adaptive); a depth policy object is used as given
-    loaded.stats = MTPStats(depth if isinstance(depth, int) and depth else None)
-    cache = kwargs.get("prompt_cache")
+    cache = kwargs["prompt_cache"]
+    cache = make_prompt_cache(model, max_kv_size=kwargs["max_kv_size"]) if cache is None else cache
+    max_tokens = kwargs["max_tokens"]
+    for c in cache:
+        if isinstance(c, RotatingKVCache) and (max_tokens < 0 or c.offset + len(prompt) + max_tokens + MAX_DEPTH
+                                               >= c.max_size):
+            log.warning("mtp_plugin: a rotating KV cache of %d tokens could wrap during this generation and "
+                        "cannot be rolled back after a rejected draft; decoding without MTP.", c.max_size)
+            return None
+    automatic = depth is None or (type(depth) is int and depth == 0)  # the CLI's --mtp-depth (0: adaptive)
+    depth = CLI["depth"] if automatic else depth
+    sampling = None if sampler is None else SAMPLINGS[sampler]  # None: greedy (also mlx-lm's temp=0 sampler)
+    if sampling is not None and automatic and not depth:
+        # Sampling: the same seed must give the same tokens, as in stock mlx-lm, so the depth must not depend
+        # on timing (the adaptive controller): the tuned depth, fixed; tuned plain: stock decoding.
+        depth = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
+        if depth == 0:
+            return None
+    policy = depth_policy(depth, loaded)  # raises on a bad depth
+    loaded.stats = MTPStats(policy if isinstance(policy, int) else None)
     return {
-        "cache": make_prompt_cache(model) if cache is None else cache,
+        "cache": cache,
         "head_cache": KVCache(),
-        "depth": depth_policy(depth, loaded),
-        "max_tokens": kwargs.get("max_tokens", 256),
-        "sampling": None if sampler is None else SAMPLINGS[sampler],
-        "logits_processors": kwargs.get("logits_processors"),
-        "prefill_step_size": kwargs.get("prefill_step_size", 2048),
-        "prompt_progress_callback": kwargs.get("prompt_progress_callback"),
+        "depth": policy,
+        "max_tokens": max_tokens,
+        "sampling": sampling,
+        "logits_processors": kwargs["logits_processors"],
+        "prefill_step_size": kwargs["prefill_step_size"],
+        "prompt_progress_callback": kwargs["prompt_progress_callback"],
         "prefill_history": PREFILL_IN_HISTORY,
         "stats": loaded.stats,
+        "cache_step": kv_quantizer(kwargs["kv_bits"], kwargs["kv_group_size"], kwargs["quantized_kv_start"]),
     }
+
+
+def kv_quantizer(bits: int | None, group_size: int, start: int):
+    """The loop's ``cache_step`` for mlx-lm's KV quantization options, None without ``kv_bits``.
+
+    After each committed pass it runs mlx-lm's ``maybe_quantize_kv_cache`` (each ``KVCache`` becomes a
+    ``QuantizedKVCache`` once its offset reaches ``start``), as mlx-lm's loop does after each step. Until
+    then a pass may only feed tokens that stay below ``start - 1``, so that no verified position is
+    computed against a full-precision cache where mlx-lm would have quantized it, and no cycle that
+    may later be rolled back crosses the switch: the token reaching ``start`` is a plain step.
+    """
+    if bits is None:
+        return None
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
+    def step(cache: list) -> int | None:
+        maybe_quantize_kv_cache(cache, start, group_size, bits)
+        pending = [c.offset for c in cache if hasattr(c, "to_quantized")]
+        return max(start - 1 - min(pending), 1) if pending else None
+
+    return step
 
 
 def mtp_generate_step(generate_step, captured: set[str]):
     """Wrap ``generate_step``: MTP for a model with a loaded head whose runtime layers have capture points."""
 
+    defaults = {name: p.default for name, p in inspect.signature(generate_step).parameters.items()
+                if p.kind is p.KEYWORD_ONLY}
+
     @functools.wraps(generate_step)
     def wrapper(prompt, model, *args, mtp_depth=None, enable_mtp=None, **kwargs):
         loaded = getattr(model, "mtp_head", None)
         model_type = loaded.location.model_type if loaded is not None else None
+        if loaded is not None:
+            loaded.stats = None  # this generation's counters, None unless it decodes with MTP
         enable_mtp = CLI["enabled"] if enable_mtp is None else enable_mtp
         if enable_mtp and LINEAR_ATTENTION_MODULE.get(model_type) in captured:
-            options = decoding_options(model, loaded, mtp_depth, kwargs)
+            options = decoding_options(model, loaded, prompt, mtp_depth, {**defaults, **kwargs})
             if options is not None:
                 generator = hook().mtp_generate_step(prompt=prompt, model=model, options=options)
                 if generator is not None:
@@ -135,7 +179,8 @@ def print_summary(generate):
         loaded = getattr(model, "mtp_head", None)
         if loaded is not None:
             loaded.stats = None
-            enabled = kwargs.get("enable_mtp", CLI["enabled"])
+            # a draft model: mlx-lm's speculative decoding, stock
+            enabled = kwargs.get("enable_mtp", CLI["enabled"]) and kwargs.get("draft_model") is None
             if kwargs.get("verbose") and enabled:
                 announce(loaded, kwargs.get("mtp_depth") or CLI["depth"])
         text = generate(model, tokenizer, prompt, *args, **kwargs)

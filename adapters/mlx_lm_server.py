@@ -130,12 +130,15 @@ def answer_bad_options(do_post):
 
 
 def carry_request_options(generate):
-    """Wrap ``ResponseGenerator.generate``: attach the handler thread's MTP options to the request's arguments."""
+    """Wrap ``ResponseGenerator.generate``: attach the handler thread's MTP options to the request's arguments
+    (when there are any: whatever mlx-lm does with its arguments, e.g. raise "generation thread died", it does)."""
 
     @functools.wraps(generate)
-    def wrapper(self, request, generation_args, *args, **kwargs):
-        generation_args.mtp = getattr(_handler, "request", None) or MTPRequest()
-        return generate(self, request, generation_args, *args, **kwargs)
+    def wrapper(self, *args, **kwargs):
+        generation_args = kwargs.get("generation_args", args[1] if len(args) > 1 else None)
+        if generation_args is not None:
+            generation_args.mtp = getattr(_handler, "request", None) or MTPRequest()
+        return generate(self, *args, **kwargs)
 
     return wrapper
 
@@ -223,7 +226,7 @@ def pass_options(stream_generate):
     def wrapper(model, tokenizer, prompt, *args, **kwargs):
         options = getattr(_serving, "request", None)
         loaded = getattr(model, "mtp_head", None)
-        if options is None or loaded is None:
+        if options is None or loaded is None or kwargs.get("draft_model") is not None:  # a draft model: stock
             yield from stream_generate(model, tokenizer, prompt, *args, **kwargs)
             return
         loaded.stats = None

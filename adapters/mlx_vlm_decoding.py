@@ -7,7 +7,8 @@
   other array the step passes on to the model), ``enable_mtp=False``,
   a drafter passed as ``draft_model`` (mlx-vlm's own speculative loop, e.g. its native Qwen3.5 MTP
   drafter, runs as asked), sampling (temperature > 0 or a custom sampler), thinking budgets,
-  prompt-cache checkpoints, batches, and on mlx-vlm 0.6 a prompt continuing a non-empty cache.
+  prompt-cache checkpoints, a rotating or quantized KV cache (``max_kv_size``, ``kv_bits``, ``kv_key_bits``,
+  ``kv_value_bits``; with one warning), batches, and on mlx-vlm 0.6 a prompt continuing a non-empty cache.
 * ``generate`` is wrapped to print the MTP line of the generation after mlx-vlm's figures (``verbose``).
 
 mlx-vlm's own Qwen3.5 MTP drafter runs only when asked for (``--draft-model DIR --draft-kind mtp``) and
@@ -27,7 +28,7 @@ from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
 from mtp_plugin.tuning import depth_policy
 
-from .mlx_lm_decoding import MTPUnsupported, announce
+from .mlx_lm_decoding import announce
 from .patching import release
 
 log = logging.getLogger("mtp_plugin")
@@ -40,12 +41,13 @@ CHUNKS_EVERY_PROMPT = release("mlx-vlm") >= (0, 7, 0)
 # Prompt tokens continuing a non-empty prompt cache: mlx-vlm 0.7 gives them the continuing mRoPE positions;
 # 0.6 restarts them at 0 (the suffix's own positions override the caller's), which MTP does not reproduce.
 CONTINUES_CACHED_POSITIONS = release("mlx-vlm") >= (0, 7, 0)
-UNSUPPORTED = {
-    "max_kv_size": "a rotating KV cache cannot be rolled back after a rejected draft",
-    "kv_bits": "the MTP loop does not quantize the KV cache",
-    "kv_key_bits": "the MTP loop does not quantize the KV cache",
-    "kv_value_bits": "the MTP loop does not quantize the KV cache",
+# Options that decode stock, with the warning given once per process.
+WARNINGS = {
+    "sampling": "mlx-vlm sampling (temperature > 0 or a custom sampler) decodes without MTP.",
+    "kv cache": "mlx-vlm's rotating or quantized KV cache (max_kv_size, kv_bits, kv_key_bits, kv_value_bits) "
+                "decodes without MTP.",
 }
+KV_CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_key_bits", "kv_value_bits")
 POSITION_KWARGS = ("position_ids", "rope_deltas")  # passed on when a reused prompt cache primed mRoPE state
 _warned: set[str] = set()
 
@@ -87,6 +89,8 @@ def _stock_reason(args: dict, extra: dict, temperature: float) -> str | None:
         return "thinking budget"  # forces tokens into the plain loop
     if args.get("sampler") is not None or temperature != 0:
         return "sampling"
+    if any(args.get(option) is not None for option in KV_CACHE_OPTIONS):
+        return "kv cache"
     return None
 
 
@@ -117,31 +121,25 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict 
         depth: draft depth 1-8 or a depth policy; 0 or None: adaptive (``tuning.depth_policy``).
         args: ``generate_step``'s named arguments, defaults applied.
         extra: its other keywords (those it passes on to the model), None values dropped.
-
-    Raises:
-        MTPUnsupported: ``max_kv_size`` (a rotating cache cannot be rolled back) or KV-cache quantization.
     """
     reason = _stock_reason(args, extra, _temperature(ar, model, args))
     if reason is not None:
-        if reason == "sampling" and reason not in _warned:
+        if reason in WARNINGS and reason not in _warned:
             _warned.add(reason)
-            log.warning("mtp_plugin: mlx-vlm sampling (temperature > 0 or a custom sampler) decodes without MTP.")
+            log.warning("mtp_plugin: %s", WARNINGS[reason])
         return None
-    for option, why in UNSUPPORTED.items():
-        if args.get(option) is not None:
-            raise MTPUnsupported(f"MTP decoding cannot honour {option}={args[option]}: {why}; "
-                                 "drop the option or disable MTP (enable_mtp=False)")
     from mlx_vlm.models.cache import KVCache, make_prompt_cache
 
     prompt_size = args["input_ids"].size
     step = args.get("prefill_step_size")
     chunked = step is not None and (prompt_size > 1 if CHUNKS_EVERY_PROMPT else prompt_size > step)
-    loaded.stats = MTPStats(depth if isinstance(depth, int) and depth else None)
+    policy = depth_policy(depth, loaded)  # raises on a bad depth
+    loaded.stats = MTPStats(policy if isinstance(policy, int) else None)
     cache = args.get("prompt_cache")
     return {
         "cache": make_prompt_cache(model.language_model) if cache is None else cache,
         "head_cache": KVCache(),
-        "depth": depth_policy(depth, loaded),
+        "depth": policy,
         "max_tokens": args["max_tokens"],
         "logits_processors": _processors(ar, args),
         "prefill_step_size": step or prompt_size,

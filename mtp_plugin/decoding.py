@@ -33,6 +33,7 @@ depends on its accepted count, so it is built after that count is read.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from .stats import MTPStats
 
 DEFAULT_DEPTH = 2
 MAX_DEPTH = 8
+log = logging.getLogger("mtp_plugin")
 
 
 class Trunk(Protocol):
@@ -210,10 +212,17 @@ class _Loop:
     ``history`` the tokens the logits processors have seen (None without processors).
     """
 
-    def __init__(self, trunk, cache, drafter, sampling, processors, history):
+    def __init__(self, trunk, cache, drafter, sampling, processors, history, cache_step=None):
         self.trunk, self.cache, self.drafter = trunk, cache, drafter
         self.sampling, self.processors = sampling, processors
         self.last, self.history = None, history
+        self.cache_step = cache_step
+        self.uncaptured = False  # the capture points were found gone: plain steps only
+
+    def after_pass(self) -> int | None:
+        """Run the runtime's cache step on the committed cache (e.g. KV quantization); the most tokens the
+        next trunk pass may feed (None: no limit)."""
+        return None if self.cache_step is None else self.cache_step(self.cache)
 
     def logprobs_at(self, logits: mx.array, inputs: mx.array, past: mx.array | None) -> mx.array:
         """Log-probs (S, V) after the processors, position i seeing ``past`` + ``inputs[:i+1]``."""
@@ -248,13 +257,24 @@ class _Loop:
         self.drafter.keep(hidden, following)
         self.last = following
 
-    def launch(self, depth: int) -> _Cycle:
-        """Queue a cycle at ``depth``: draft, verify ``[last, drafts…]`` in one trunk pass, accept."""
+    def launch(self, depth: int) -> _Cycle | None:
+        """Queue a cycle at ``depth``: draft, verify ``[last, drafts…]`` in one trunk pass, accept.
+
+        None, with every cache as it was, when the runtime's capture points were gone during the pass
+        (``mtp_plugin.unpatch()`` on another thread): the cycle could not be rolled back; from then on
+        the generation goes on in plain steps (``uncaptured``)."""
         drafts, q, finite = self.drafter.draft(depth)
         mx.async_eval(drafts)  # the head runs while the verify pass is built
         inputs = mx.concatenate([self.last, drafts])
+        undo = rollback.snapshot(self.cache)
         with rollback.capturing(inputs.size) as recorder:
             hidden = self.trunk.hidden(inputs[None], self.cache)
+        if recorder.missed(self.cache):
+            undo(inputs.size)
+            self.uncaptured = True
+            log.warning("mtp_plugin: the runtime was unpatched during this generation; it goes on with plain "
+                        "decoding steps (the same tokens).")
+            return None
         logprobs = self.logprobs_at(self.trunk.trunk_logits(hidden[0]), inputs, self.history)
         if self.sampling is None:
             accepted, tokens = accept_greedy(logprobs, drafts)
@@ -290,6 +310,7 @@ def generate(
     prefill_history: bool = True,
     stats: MTPStats | None = None,
     health: HeadHealth | None = None,
+    cache_step: Callable[[list], int | None] | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Generate tokens with the head as drafter and the trunk as verifier (mlx-lm ``generate_step`` contract).
 
@@ -318,6 +339,11 @@ def generate(
         health: the loaded head's ``HeadHealth`` (a fresh one if None): a cycle whose head output is not
             finite counts as rejected and parks the head, as does acceptance under 2 % over its first
             draft tokens; a parked head drafts no more (the rest of the generation is plain decoding).
+        cache_step: called with ``cache`` after every trunk pass, once the pass is committed (each prefill
+            chunk, the prompt pass, each plain step and cycle, and when the generator ends), where the
+            runtime's own loop calls it after each step (mlx-lm: KV cache quantization); it returns the
+            most tokens the next pass may feed without changing what the runtime would compute (None: no
+            limit; 1: a plain step), and the loop drafts at most that many tokens minus one.
 
     Yields:
         ``(token, logprobs)``: token id (int) and the trunk's log-probs (V,) at its position.
@@ -336,7 +362,7 @@ def generate(
     callback = prompt_progress_callback or (lambda *_: None)
     history = (prompt if prefill_history else prompt[-1:]) if processors else None
     drafter = Drafter(head, trunk, head_cache, sampling)
-    loop = _Loop(trunk, cache, drafter, sampling, processors, history)
+    loop = _Loop(trunk, cache, drafter, sampling, processors, history, cache_step)
     health = health if health is not None else HeadHealth("given to decoding.generate")
     if health.parked:
         drafter.stop()
@@ -347,6 +373,7 @@ def generate(
     while total - done > 1:
         chunk = prompt[done : done + min(prefill_step_size, total - done - 1)]
         carry = drafter.prefill(carry, trunk.hidden(chunk[None], cache), chunk)
+        loop.after_pass()
         mx.eval([c.state for c in cache], head_cache.state)
         done += chunk.size
         callback(done, total)
@@ -361,7 +388,9 @@ def generate(
     n = emitted = accepted = 0
 
     def ask(block: int) -> int | None:
-        """Depth of the cycle after a block of at least ``block`` tokens; None if that block ends generation."""
+        """Depth of the cycle after a block of at least ``block`` tokens (the committed cache's step run
+        first); None if that block ends generation."""
+        span = loop.after_pass()
         if max_tokens >= 0 and n + block >= max_tokens:
             return None
         if drafter.stopped:
@@ -369,7 +398,7 @@ def generate(
         d = policy.next_depth()
         if not 0 <= d <= MAX_DEPTH:
             raise ValueError(f"depth policy chose depth {d}; it must be 0..{MAX_DEPTH}")
-        return d
+        return d if span is None else min(d, span - 1)
 
     def queue(d: int | None):
         """What produces the next block, queued now: ``("plain", step)``, ``("cycle", started cycle)`` or None;
@@ -377,7 +406,8 @@ def generate(
         start = time.perf_counter()
         if d is None:
             return None, 0.0
-        queued = ("plain", loop.plain_step()) if d == PLAIN else ("cycle", loop.launch(d))
+        cycle = None if d == PLAIN or loop.uncaptured else loop.launch(d)
+        queued = ("plain", loop.plain_step()) if cycle is None else ("cycle", cycle)
         return queued, time.perf_counter() - start
 
     # Each block's successor is queued before the block is yielded (and, after a plain step or the prompt
@@ -442,6 +472,7 @@ def _settle(loop: _Loop, kind: str, cycle: _Cycle | None, accepted: int, followi
     if emitted == 0:  # raised between blocks: the previous block's last token is the cycle's first input
         if kind == "cycle":
             cycle.recorder.commit(loop.cache, 1)
+            loop.after_pass()
             mx.eval([c.state for c in loop.cache])
         return
     if kind == "plain":
@@ -460,4 +491,5 @@ def _settle(loop: _Loop, kind: str, cycle: _Cycle | None, accepted: int, followi
                 if id(c) not in cycle.recorder.layers and c.is_trimmable():
                     c.trim(fed)
         cycle.recorder.commit(loop.cache, emitted + 1)
+    loop.after_pass()
     mx.eval([c.state for c in loop.cache])

@@ -107,6 +107,34 @@ class Recorder:
                 raise RollbackError(f"{type(cache).__name__} cannot be rolled back by {drop} tokens")
 
 
+    def missed(self, caches: list) -> bool:
+        """Whether a cache that cannot be trimmed was not captured (the capture points were removed, e.g. by
+        ``mtp_plugin.unpatch()`` on another thread, before or during the pass): ``commit`` would raise."""
+        return any(id(c) not in self.layers and not c.is_trimmable() for c in caches)
+
+
+def _copy(state):
+    """A cache state whose lists are copies (layers assign into them), arrays shared (they are immutable)."""
+    if isinstance(state, list):
+        return list(state)
+    return tuple(_copy(s) for s in state) if isinstance(state, tuple) else state
+
+
+def snapshot(caches: list):
+    """Remember ``caches`` before a pass; the returned ``undo(tokens)`` puts them back as they were: every
+    cache that cannot be trimmed gets its remembered state again, every other one is trimmed by ``tokens``."""
+    saved = [(c, _copy(c.state)) for c in caches if not c.is_trimmable()]
+
+    def undo(tokens: int) -> None:
+        for c, state in saved:
+            c.state = state
+        for c in caches:
+            if c.is_trimmable():
+                c.trim(tokens)
+
+    return undo
+
+
 def active() -> Recorder | None:
     """The recorder of the verify pass running on this thread, if any (called by capture points)."""
     return getattr(_local, "recorder", None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import numbers
 import os
 import platform
 import tempfile
@@ -148,12 +149,24 @@ def depth_policy(depth, loaded):
     """The loop's ``depth`` option for a requested depth: a fixed depth 1..8 or a policy object as given;
     0 or None (automatic): the adaptive ``DepthController`` of ``loaded`` (a ``loader.LoadedHead``), created
     on first use starting at the tuned depth (else the default) and kept, so each generation with this
-    head starts from what the previous ones measured (one loaded model serving many requests)."""
+    head starts from what the previous ones measured (one loaded model serving many requests).
+
+    Raises:
+        ValueError: ``depth`` is not an integer 0..8 (bool, str and float included), None, or an object with
+            ``next_depth()`` and ``observe()``.
+    """
+    from .decoding import MAX_DEPTH
+
+    policy = hasattr(depth, "next_depth") and hasattr(depth, "observe")
+    integer = isinstance(depth, numbers.Integral) and not isinstance(depth, bool)
+    if not (depth is None or policy or (integer and 0 <= depth <= MAX_DEPTH)):
+        raise ValueError(f"mtp_depth must be an integer from 0 (adaptive) to {MAX_DEPTH}, None (adaptive) or a "
+                         f"depth policy with next_depth() and observe(); got {depth!r}")
     if depth:
-        return depth
+        return depth if policy else int(depth)
     if loaded.controller is None:
         from .controller import DepthController
-        from .decoding import DEFAULT_DEPTH, MAX_DEPTH
+        from .decoding import DEFAULT_DEPTH
 
         loaded.controller = DepthController(start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH))
     return loaded.controller

@@ -122,14 +122,16 @@ def trunk_weights(model: nn.Module) -> dict[str, mx.array]:
 
 
 def cache_arrays(cache: list) -> list:
-    """Every array a trunk cache holds (KV caches up to their offset; GatedDeltaNet conv and recurrent states),
+    """Every array a trunk cache holds (KV caches up to their offset, quantized ones as their packed arrays;
+    GatedDeltaNet conv and recurrent states),
     as numpy arrays, to compare caches left by two decoding runs."""
     import numpy as np
 
     out = []
     for c in cache:
-        if hasattr(c, "offset"):
-            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+        if hasattr(c, "offset"):  # KVCache, RotatingKVCache before it wraps, QuantizedKVCache (tuples of arrays)
+            parts = [p for kv in (c.keys, c.values) for p in (kv if isinstance(kv, tuple | list) else (kv,))]
+            out += [p[..., : c.offset, :] for p in parts]
         else:
             out += list(c.cache)
     return [np.array(a) for a in out]
@@ -143,10 +145,11 @@ def to_float32(model: nn.Module) -> nn.Module:
     return model
 
 
-def caches_after_close(model: nn.Module, prompt: list[int], stop: int, **mtp_options) -> tuple[list, list]:
+def caches_after_close(model: nn.Module, prompt: list[int], stop: int, common: dict | None = None,
+                       **mtp_options) -> tuple[list, list]:
     """``(plain, mtp)``: the arrays of the trunk cache left by plain decoding and by MTP decoding
-    (``mtp_options``: ``generate_step`` keywords such as ``mtp_depth``) when each generator is closed
-    after ``stop`` tokens."""
+    (``mtp_options``: ``generate_step`` keywords such as ``mtp_depth``; ``common``: keywords of both runs)
+    when each generator is closed after ``stop`` tokens."""
     import importlib
 
     from mlx_lm.models.cache import make_prompt_cache
@@ -155,7 +158,7 @@ def caches_after_close(model: nn.Module, prompt: list[int], stop: int, **mtp_opt
     caches = []
     for options in ({"enable_mtp": False}, {"enable_mtp": True, **mtp_options}):
         cache = make_prompt_cache(model)
-        generator = generate_step(mx.array(prompt), model, prompt_cache=cache, **options)
+        generator = generate_step(mx.array(prompt), model, prompt_cache=cache, **(common or {}), **options)
         for _ in range(stop):
             next(generator)
         generator.close()

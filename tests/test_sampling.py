@@ -74,3 +74,24 @@ def test_mtp_sampling_matches_trunk_distribution(model, temp, top_k, depth):
     m2, m3 = exact_marginals(model, temp, top_k)
     assert chi_square_p(np.array(second), m2) > 1e-3
     assert chi_square_p(np.array(third), m3) > 1e-3
+
+
+@pytest.mark.parametrize("depth", [None, 0, 3])
+def test_same_seed_same_tokens(model, depth):
+    """As in stock mlx-lm, a seed fixes the sampled tokens: the automatic depth of a sampled generation does not
+    depend on timing or on what earlier generations measured (the adaptive controller is not used)."""
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    runs = []
+    for _ in range(3):
+        mx.random.seed(7)
+        runs.append([t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=40, mtp_depth=depth,
+                                                 sampler=make_sampler(temp=0.9))])
+    assert runs[0] == runs[1] == runs[2]
+    assert model.mtp_head.stats.drafted > 0
+
+
+@pytest.mark.parametrize("depth", ["3", 2.5, True, False])
+def test_bad_depth_is_refused_when_sampling(model, depth):
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    with pytest.raises(ValueError, match="mtp_depth"):
+        generate_step(mx.array(PROMPT), model, max_tokens=4, mtp_depth=depth, sampler=make_sampler(temp=0.9))

@@ -1,5 +1,6 @@
 """A real ``mlx_lm.server`` on a loopback port, serving the bundled trained tiny checkpoint."""
 
+import importlib
 import json
 import shutil
 import socket
@@ -177,3 +178,74 @@ def test_model_without_head_is_served_as_stock(workdir, headless):
     for a, b in zip(patched, stock, strict=True):
         assert "timings" not in a and a.keys() == b.keys()
         assert text_of(a) == text_of(b)
+
+
+KV_BITS = ["--kv-bits", "8", "--quantized-kv-start", "0"]
+
+
+@pytest.mark.skipif(subprocess.run(server_command("--help"), capture_output=True, text=True,
+                                   env=environment()).stdout.count("--kv-bits") == 0,
+                    reason="this mlx-lm's server has no --kv-bits")
+@pytest.mark.parametrize("flags", [KV_BITS, ["--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "12"]],
+                         ids=["kv-bits-8", "kv-bits-4-from-12"])
+def test_quantized_kv_cache_server(workdir, flags):
+    """``mlx_lm.server --kv-bits`` answers default requests with MTP, with the text of stock decoding."""
+    s = Server(server_command("--model", str(MLX4), *flags), workdir, environment())
+    try:
+        status, mtp = s.post("/v1/completions", completion(PROMPTS[0]))
+        _, plain = s.post("/v1/completions", completion(PROMPTS[0], enable_mtp=False))
+        chat = {"messages": CHAT, "max_tokens": 24, "temperature": 0.0}
+        streamed = streamed_text(s.stream("/v1/chat/completions", chat))
+        _, stock_chat = s.post("/v1/chat/completions", {**chat, "enable_mtp": False})
+    finally:
+        s.stop()
+    assert status == 200 and mtp["timings"]["draft_n"] > 0
+    assert text_of(mtp) == text_of(plain) and streamed == text_of(stock_chat)
+
+
+class FailingModelProvider:
+    """A model provider whose model cannot load: mlx-lm's generation thread dies as it starts."""
+
+    def load_default(self):
+        raise RuntimeError("simulated crash")
+
+
+@pytest.mark.parametrize("call", [lambda rg: rg.generate(None, None),
+                                  lambda rg: rg.generate(request=None, generation_args=None)],
+                         ids=["positional", "keywords"])
+def test_dead_generation_thread_raises_mlx_lms_own_error(call):
+    """The wrapped ``ResponseGenerator.generate`` lets mlx-lm raise its own "generation thread died"."""
+    server = importlib.import_module("mlx_lm.server")
+    if not hasattr(server.ResponseGenerator, "generation_available"):
+        pytest.skip("this mlx-lm's ResponseGenerator does not detect a dead generation thread")
+    assert hasattr(server.ResponseGenerator.generate, "__wrapped__")  # the plugin's wrapper is in place
+    rg = server.ResponseGenerator(FailingModelProvider(), server.LRUPromptCache())
+    rg.join()
+    with pytest.raises(RuntimeError, match="generation thread died"):
+        call(rg)
+
+
+def outcome(server: Server, path: str, body: dict) -> tuple:
+    """``(status, text)`` of a request, or ``("disconnected",)`` when the server dropped the connection."""
+    try:
+        status, answer = server.post(path, body)
+    except (urllib.error.URLError, ConnectionError) as e:  # http.client.RemoteDisconnected is a ConnectionError
+        return ("disconnected", type(e).__name__)
+    return status, text_of(answer) if status == 200 else answer
+
+
+def test_draft_model_server_is_stock(workdir):
+    """``mlx_lm.server --draft-model``: mlx-lm's own speculative decoding, answered as stock mlx-lm answers (on
+    this hybrid checkpoint stock mlx-lm fails: its GatedDeltaNet caches cannot be trimmed)."""
+    answers, logs = [], []
+    for env in (environment(), environment(MTP_PLUGIN_DISABLE="1")):
+        s = Server(server_command("--model", str(MLX4), "--draft-model", str(MLX4), "--num-draft-tokens", "2"),
+                   workdir, env)
+        try:
+            answers.append([outcome(s, "/v1/completions", completion(PROMPTS[0])),
+                            outcome(s, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 12})])
+        finally:
+            s.stop()
+        logs.append([line for line in s.log.read_text().splitlines() if "Error" in line])
+    assert answers[0] == answers[1]
+    assert logs[0] == logs[1]  # the same errors (if any), stock's own

@@ -157,16 +157,26 @@ def test_headless_checkpoint_decodes_stock(built, tmp_path):
     assert tokens(model, SHORT) == patched
 
 
+@pytest.mark.parametrize("depth", ["3", 2.5, True, 9])
+def test_bad_depth_is_refused_with_its_name(load, depth):
+    with pytest.raises(ValueError, match="mtp_depth"):
+        tokens(load("qwen3_5", "sidecar"), SHORT, mtp_depth=depth)
+
+
 def test_sampling_decodes_stock(load):
     model = load("qwen3_5", "sidecar")
     tokens(model, SHORT, temperature=0.7, max_tokens=4)
     assert model.mtp_head.stats is None
 
 
-def test_rotating_cache_is_refused(load):
+@pytest.mark.parametrize("option", [{"max_kv_size": 64}, {"max_kv_size": 12},
+                                    {"kv_bits": 8, "quantized_kv_start": 10**6}])
+def test_kv_cache_options_decode_stock(load, option):
+    """mlx-vlm's rotating / quantized KV caches decode as stock mlx-vlm does (one warning), never an error."""
     model = load("qwen3_5", "sidecar")
-    with pytest.raises(ValueError, match="max_kv_size"):
-        tokens(model, SHORT, max_kv_size=64)
+    mtp = tokens(model, SHORT, **option)
+    assert model.mtp_head.stats is None
+    assert mtp == tokens(model, SHORT, enable_mtp=False, **option)
 
 
 def test_unpatch_restores_stock_generate_step():

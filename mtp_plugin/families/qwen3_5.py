@@ -94,8 +94,11 @@ def trunk_parts(model):
 
 @hookimpl
 def mtp_build_head(model, config):
-    """An MTPHead whose decoder layer is a fresh full-attention layer of the trunk's own class."""
-    if config.get("model_type") not in MODEL_TYPES:
+    """An MTPHead whose decoder layer is a fresh full-attention layer of the trunk's own class; None for a
+    model that is not a runtime's Qwen3.5-family class (e.g. mlx-lm's ``load_model(get_model_classes=…)``
+    building the caller's own class): it is left as built."""
+    outer = getattr(model, "language_model", model)
+    if config.get("model_type") not in MODEL_TYPES or not hasattr(getattr(outer, "model", None), "layers"):
         return None
     text_model, args = trunk_parts(model)
     index = next(i for i, layer in enumerate(text_model.layers) if not layer.is_linear)
