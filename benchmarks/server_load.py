@@ -39,7 +39,7 @@ LONG, SHORT = 128, 16
 class Server:
     """An ``mlx_lm.server`` subprocess on a free loopback port."""
 
-    def __init__(self, model: Path, stock: bool, log: Path):
+    def __init__(self, model: Path, stock: bool, log: Path, extra: tuple[str, ...] = ()):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -47,7 +47,7 @@ class Server:
         if stock:
             env["MTP_PLUGIN_DISABLE"] = "1"
         command = [str(Path(sys.executable).parent / "mlx_lm.server"), "--model", str(model),
-                   "--host", "127.0.0.1", "--port", str(self.port)]
+                   "--host", "127.0.0.1", "--port", str(self.port), *extra]
         self.log = log.open("w")
         self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
@@ -117,6 +117,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="requests per client (default 4)")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per server and concurrency")
     parser.add_argument("--time-cap", type=float, default=600.0, help="seconds for the whole benchmark")
+    parser.add_argument("--plugin-args", default="", help="extra arguments of the plugin's server, e.g. '--no-mtp'")
     parser.add_argument("--out", type=Path, help="directory for the dated result file")
     args = parser.parse_args()
     if min(args.concurrency) < 1 or args.requests < 1 or args.repeats < 1:
@@ -124,7 +125,7 @@ def main() -> None:
 
     logs = Path(tempfile.mkdtemp(prefix="mtp-server-load-"))
     servers = {"stock": Server(args.model, True, logs / "stock.log"),
-               "plugin": Server(args.model, False, logs / "plugin.log")}
+               "plugin": Server(args.model, False, logs / "plugin.log", tuple(args.plugin_args.split()))}
     deadline = time.monotonic() + args.time_cap
     rows = []
     try:
@@ -159,7 +160,8 @@ def main() -> None:
             server.stop()
 
     header = [f"server load: {args.model.name}, greedy, {args.requests} requests per client (long {LONG} / short "
-              f"{SHORT} tokens alternating), median of {args.repeats} interleaved runs",
+              f"{SHORT} tokens alternating), median of {args.repeats} interleaved runs"
+              + (f", plugin server {args.plugin_args}" if args.plugin_args else ""),
               f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
               f"machine: {json.dumps(tuning.machine())}, {os.cpu_count()} CPUs",
               f"versions: {json.dumps(tuning.versions())}",
