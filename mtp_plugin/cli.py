@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError
 from .files import Terminated, terminating_cleanly
-from .usage import GROUP_SIZES, UsageError, describe, int_in
+from .usage import GROUP_SIZES, HEAD_BITS, UsageError, describe, int_in
 
 MIN_ACCEPTANCE = 0.05  # below this the head's drafts are almost never accepted
 SAMPLE_SOURCE = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"  # real text found on every machine
@@ -173,7 +173,7 @@ def parser() -> argparse.ArgumentParser:
     extract.add_argument("--hf", type=Path, required=True, help="checkpoint directory carrying the head")
     extract.add_argument("--out", type=Path, required=True,
                          help="head file to write (safetensors), outside the checkpoint; its directory must exist")
-    extract.add_argument("--bits", type=int, default=8, choices=[4, 8, 16], help="4/8: quantize, 16: bfloat16")
+    extract.add_argument("--bits", type=int, default=8, choices=HEAD_BITS, help="4/8: quantize, 16: bfloat16")
     extract.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES, help="quantization group size")
     extract.add_argument("--force", action="store_true", help="replace an existing --out file (never an input)")
 
@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ValueError, OSError) as e:
         print(f"mtp-plugin: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # cleanups have run
+        print("mtp-plugin: interrupted", file=sys.stderr)
+        return 130
     except Terminated as e:  # cleanups have run: end as the signal asked
         signal.signal(e.signum, signal.SIG_DFL)
         os.kill(os.getpid(), e.signum)

@@ -9,9 +9,7 @@ from .conventions import Contract
 from .files import check_new_output
 from .headfile import head_metadata, normalised_head, quantization_labels, quantize_head, write_atomically
 from .plugins import hook
-from .usage import GROUP_SIZES, UsageError
-
-BITS = (4, 8, 16)  # 16: keep floats (bfloat16)
+from .usage import GROUP_SIZES, HEAD_BITS, UsageError
 
 
 def extract(hf_dir: Path, out: Path, bits: int = 8, group_size: int = 64, force: bool = False) -> dict:
@@ -33,8 +31,8 @@ def extract(hf_dir: Path, out: Path, bits: int = 8, group_size: int = 64, force:
         CheckpointError: no head in ``hf_dir`` or a model type no plugin handles.
         ValueError: a group size that does not divide the head's widths.
     """
-    if bits not in BITS or group_size not in GROUP_SIZES:
-        raise UsageError(f"--bits must be one of {BITS} and --group-size one of {GROUP_SIZES}, "
+    if bits not in HEAD_BITS or group_size not in GROUP_SIZES:
+        raise UsageError(f"--bits must be one of {HEAD_BITS} and --group-size one of {GROUP_SIZES}, "
                          f"got {bits} and {group_size}")
     check_new_output(Path(out), [Path(hf_dir)], force)
     location = find_head(Path(hf_dir))

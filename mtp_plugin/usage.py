@@ -14,6 +14,7 @@ RANGES = {  # option: (lowest, highest or None)
     "repeats": (1, None),  # runs of the prompt suite (medians)
 }
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
+HEAD_BITS = (4, 8, 16)  # extract: 4/8-bit affine quantization, 16: bfloat16
 
 
 class UsageError(ValueError):

@@ -3,7 +3,7 @@
 extract and graft refuse outputs over or inside their inputs, existing outputs (extract: unless --force) and
 missing or read-only output directories, with exit 2 and nothing written; verify/tune --write refuse a
 read-only config.json or model directory before any work and otherwise keep the file's mode; new files get
-the modes of the user's own files; SIGTERM/SIGHUP during graft leave no temporary directory.
+the modes of the user's own files; SIGINT/SIGTERM/SIGHUP leave no temporary file or directory.
 """
 
 import hashlib
@@ -116,31 +116,35 @@ def test_graft_output_has_the_users_modes(recipient, tmp_path, umask):
     assert mode(out) == 0o777 & ~umask and mode(out / "mtp.safetensors") == 0o666 & ~umask
 
 
-GRAFT_KILLED = """
+SIGNALLED = """
 import os, signal, sys
-import mtp_plugin.graft as graft
 from mtp_plugin.cli import main
 
-link_tree = graft._link_tree
+replace = os.replace
 
-def link_then_signal(src, dst):
-    link_tree(src, dst)
+def signal_then_replace(*args):  # the signal arrives just before a finished temporary file is renamed
     os.kill(os.getpid(), signal.{name})
+    replace(*args)
 
-graft._link_tree = link_then_signal
-sys.exit(main(["graft", "--recipient", sys.argv[1], "--donor", sys.argv[2], "--out", sys.argv[3]]))
+os.replace = signal_then_replace
+sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
-def test_graft_terminated_leaves_no_temporary_directory(recipient, tmp_path, signum):
-    """The signal arrives while the output is half built (recipient linked, head not yet written)."""
-    out = tmp_path / "out" / "grafted"
+@pytest.mark.parametrize("command,signum", [("graft", signal.SIGTERM), ("graft", signal.SIGHUP),
+                                            ("graft", signal.SIGINT), ("extract", signal.SIGTERM)],
+                         ids=lambda x: getattr(x, "name", x))
+def test_signals_leave_no_temporary_files(recipient, tmp_path, command, signum):
+    """graft: the output directory is half built (recipient linked, head file written, not yet renamed)."""
+    out = tmp_path / "out" / ("grafted" if command == "graft" else "head.safetensors")
     out.parent.mkdir()
-    done = subprocess.run([sys.executable, "-c", GRAFT_KILLED.format(name=signum.name), recipient, HF, out],
+    before = snapshot(recipient, HF)
+    args = (["graft", "--recipient", recipient, "--donor", HF] if command == "graft" else ["extract", "--hf", HF])
+    done = subprocess.run([sys.executable, "-c", SIGNALLED.format(name=signum.name), *args, "--out", out],
                           capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir())
-    assert done.returncode == -signum, done.stderr[-3000:]  # ended by the signal, as without the plugin's handler
-    assert list(out.parent.iterdir()) == []
+    # ended by the signal as it would end without the plugin's handler (Ctrl-C: exit 130)
+    assert done.returncode == (130 if signum == signal.SIGINT else -signum), done.stderr[-3000:]
+    assert list(out.parent.iterdir()) == [] and snapshot(recipient, HF) == before
 
 
 @pytest.mark.parametrize("command", ["verify", "tune"])
