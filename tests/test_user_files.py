@@ -187,3 +187,15 @@ def test_tune_write_keeps_config_mode(tmp_path, monkeypatch):
 
 def test_user_mode_follows_umask(umask):
     assert user_mode() == 0o640 and user_mode(directory=True) == 0o750
+
+
+def test_write_into_a_graft_never_writes_through_its_hard_links(recipient, tmp_path, monkeypatch):
+    """A graft's config.json is a hard link to the recipient's: recording a tuned depth replaces the link."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "grafted"
+    assert main(["graft", "--recipient", str(recipient), "--donor", str(HF), "--out", str(out)]) == 0
+    assert (out / "config.json").stat().st_nlink == 2
+    before = snapshot(recipient)
+    tuning.record(out, 2, {}, write_config=True)
+    assert snapshot(recipient) == before and tuning.recorded_depth(out) == 2
+    assert (out / "config.json").stat().st_nlink == 1
