@@ -144,8 +144,29 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict 
         "logits_processors": _processors(ar, args),
         "prefill_step_size": step or prompt_size,
         "prefill_history": not chunked,
+        "prompt_progress_callback": prefill_bar() if chunked and args.get("verbose") else None,
         "stats": loaded.stats,
     }
+
+
+def prefill_bar():
+    """``callback(processed, total)`` showing mlx-vlm's own chunked-prefill progress bar as stock prints it
+    (tqdm on stderr, ``Prefill``, tokens; one update per chunk, so it ends at total - 1: the last prompt token
+    runs with the first decoding step). Created at the first call, closed when the prefill is done."""
+    from tqdm import tqdm
+
+    bar = None
+
+    def callback(processed: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc="Prefill", unit="tok")
+        if processed < total:
+            bar.update(processed - bar.n)
+        else:
+            bar.close()
+
+    return callback
 
 
 def mtp_generate_step(generate_step, ar, captured: set[str]):

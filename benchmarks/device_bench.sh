@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 if [[ -z "${PYTHON:-}" ]]; then
     python3 -m venv .venv-cuda
     PYTHON=.venv-cuda/bin/python
-    timeout 150 "$PYTHON" -m pip install -q "mlx[cuda]" "mlx-lm==0.32.2" "mlx-vlm==0.7.10" pluggy safetensors
+    timeout 150 "$PYTHON" -m pip install -q "mlx[cuda]" "mlx-lm==0.32.2" "mlx-vlm==0.7.10" pluggy safetensors tqdm
 fi
 # The checkpoint's own build backend may be unreachable offline: install without build isolation if needed.
 timeout 60 "$PYTHON" -m pip install -q --no-deps --force-reinstall . \

@@ -27,7 +27,8 @@ from . import measure, tuning
 from .decoding import DEFAULT_DEPTH, MAX_DEPTH
 from .plugins import hook
 from .stats import MTPStats
-from .tune import load, summarise
+from .tune import check_measure_options, load, summarise
+from .usage import UsageError
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -68,7 +69,8 @@ def efficiency(rows: list[dict], costs: dict) -> None:
 
 def _reference(decoder: ReferenceDecoder, prompts, depths: int, max_tokens: int, repeats: int) -> dict:
     candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}}
-    results = measure.candidates(decoder.stream, decoder.stats, prompts, candidates, max_tokens, repeats)
+    results = measure.candidates(decoder.stream, decoder.stats, prompts, candidates, max_tokens, repeats,
+                                 f"bench: {decoder.name}")
     return {"name": decoder.name, "candidates": summarise(results)}
 
 
@@ -88,19 +90,19 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
         "references": [{"name", "candidates"} or a string saying why not]}``.
 
     Raises:
+        UsageError: ``depths``, ``max_tokens`` or ``repeats`` out of range (``usage.RANGES``), or an unknown dtype.
         CheckpointError: no usable head.
-        ValueError: ``depths`` outside 1..8 or an unknown dtype.
     """
-    if not 1 <= depths <= 8:
-        raise ValueError(f"--depths must be 1..8, got {depths}")
+    check_measure_options(depths, max_tokens, repeats)
     if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
     model, tokenizer = load(model_dir)
     if dtype is not None:
         cast(model, DTYPES[dtype])
     prompts = [tokenizer.encode(p) for p in measure.code_prompts()]
     candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}, "adaptive": 0}
-    rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats))
+    rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats,
+                                        "bench"))
     costs = measure.component_costs(model, prompts[0], depths)
     efficiency(rows, costs)
     del model  # free it before another runtime loads the checkpoint

@@ -1,14 +1,24 @@
-"""``mtp-plugin`` command line (also ``python -m mtp_plugin``). Exit codes: 0 ok, 1 MTP cannot run, 2 usage."""
+"""``mtp-plugin`` command line (also ``python -m mtp_plugin``).
+
+Exit codes: 0 ok; 1 a failure (MTP cannot run, the head is unusable, a checkpoint is unreadable); 2 a usage
+error (a bad option value, a missing model directory, an output that would lose or touch user data): nothing
+was written. SIGTERM/SIGHUP remove the command's temporary files before the process ends by that signal.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import sysconfig
+from importlib import metadata
 from pathlib import Path
 
 from .checkpoint import CheckpointError
+from .files import Terminated, terminating_cleanly
+from .usage import GROUP_SIZES, HEAD_BITS, UsageError, describe, int_in
 
 MIN_ACCEPTANCE = 0.05  # below this the head's drafts are almost never accepted
 SAMPLE_SOURCE = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"  # real text found on every machine
@@ -28,7 +38,7 @@ def _inspect(args) -> int:
 def _extract(args) -> int:
     from .extract import extract
 
-    summary = extract(args.hf, args.out, args.bits, args.group_size)
+    summary = extract(args.hf, args.out, args.bits, args.group_size, args.force)
     labels = sorted(set(summary["quantization"].values()))
     print(f"wrote {summary['out']}: {summary['tensors']} tensors, {summary['bytes'] / 1e6:.2f} MB, "
           f"{', '.join(labels)}, {len(summary['norms_folded'])} norms folded to absolute")
@@ -49,7 +59,10 @@ def _graft(args) -> int:
 def _verify(args) -> int:
     from .verify import verify
 
-    text = (args.prompt_file or SAMPLE_SOURCE).read_text()
+    try:
+        text = (args.prompt_file or SAMPLE_SOURCE).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{args.prompt_file}: cannot be read as text ({e}); pass a UTF-8 text file") from None
     result = verify(args.model_dir, text, write=args.write)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -119,62 +132,104 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def parser() -> argparse.ArgumentParser:
-    """The argument parser with one sub-parser per command."""
-    p = argparse.ArgumentParser(prog="mtp-plugin", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-    inspect = sub.add_parser("inspect", help="can this model directory run MTP, and why not")
-    inspect.add_argument("model_dir", type=Path)
-    inspect.add_argument("--json", action="store_true", help="machine-readable report")
-    inspect.set_defaults(run=_inspect, model_dir_arg="model_dir")
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` for options that have a default value (not for flags and required options)."""
 
-    graft = sub.add_parser("graft", help="give a head-less checkpoint the head of another")
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _command(sub, name: str, run, text: str, model_dir: str = "model_dir") -> argparse.ArgumentParser:
+    command = sub.add_parser(name, help=text, description=text, formatter_class=_Help)
+    command.set_defaults(run=run, model_dir_arg=model_dir)
+    return command
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser with one sub-parser per command; every option's help gives its default and range."""
+    p = argparse.ArgumentParser(prog="mtp-plugin", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('mtp-plugin')}")
+    sub = p.add_subparsers(dest="command", required=True)
+    inspect = _command(sub, "inspect", _inspect, "can this model directory run MTP, and why not (reads only "
+                       "file headers and the head; writes nothing)")
+    inspect.add_argument("model_dir", type=Path, help="model directory (with config.json)")
+    inspect.add_argument("--json", action="store_true", help="machine-readable report")
+
+    graft = _command(sub, "graft", _graft, "give a head-less checkpoint the head of another (inputs never "
+                     "written; the output directory must be new)", "recipient")
     graft.add_argument("--recipient", type=Path, required=True, help="model directory without a head")
     graft.add_argument("--donor", type=Path, required=True, help="checkpoint directory or head file with a head")
-    graft.add_argument("--out", type=Path, required=True, help="new output directory")
-    graft.add_argument("--layout", default="mlx-lm", choices=["mlx-lm", "mtplx", "omlx", "mlx-serve"])
+    graft.add_argument("--out", type=Path, required=True,
+                       help="new output directory: must not exist, nor lie inside the recipient or donor")
+    graft.add_argument("--layout", default="mlx-lm", choices=["mlx-lm", "mtplx", "omlx", "mlx-serve"],
+                       help="runtime layout of the head file")
     graft.add_argument("--force", action="store_true", help="graft despite config/quantization mismatches")
-    graft.set_defaults(run=_graft, model_dir_arg="recipient")
 
-    extract = sub.add_parser("extract", help="take the head out of an original Hugging Face checkpoint")
+    extract = _command(sub, "extract", _extract, "take the head out of an original Hugging Face checkpoint "
+                       "(writes only --out)", "hf")
     extract.add_argument("--hf", type=Path, required=True, help="checkpoint directory carrying the head")
-    extract.add_argument("--out", type=Path, required=True, help="head file to write (safetensors)")
-    extract.add_argument("--bits", type=int, default=8, choices=[4, 8, 16])
-    extract.add_argument("--group-size", type=int, default=64)
-    extract.set_defaults(run=_extract, model_dir_arg="hf")
+    extract.add_argument("--out", type=Path, required=True,
+                         help="head file to write (safetensors), outside the checkpoint; its directory must exist")
+    extract.add_argument("--bits", type=int, default=8, choices=HEAD_BITS, help="4/8: quantize, 16: bfloat16")
+    extract.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES, help="quantization group size")
+    extract.add_argument("--force", action="store_true", help="replace an existing --out file (never an input)")
 
-    verify = sub.add_parser("verify", help="measure acceptance and sweep the head's wiring contract")
-    verify.add_argument("model_dir", type=Path)
-    verify.add_argument("--prompt-file", type=Path, help="text to measure on (default: a built-in sample)")
-    verify.add_argument("--write", action="store_true", help="record the best wiring in config.json")
-    verify.add_argument("--json", action="store_true")
-    verify.set_defaults(run=_verify, model_dir_arg="model_dir")
+    verify = _command(sub, "verify", _verify, "measure acceptance and sweep the head's wiring contract (writes "
+                      "only with --write)")
+    verify.add_argument("model_dir", type=Path, help="model directory with a head")
+    verify.add_argument("--prompt-file", type=Path, help="UTF-8 text to measure on, at least 2 tokens "
+                        "(default: the standard library's textwrap.py)")
+    verify.add_argument("--write", action="store_true",
+                        help="record the best wiring in config.json (atomically, mode kept; refused when read-only)")
+    verify.add_argument("--json", action="store_true", help="machine-readable result")
 
-    for name, run, text in (("tune", _tune, "measure plain decoding and depths 1..N, record the fastest"),
-                            ("bench", _bench, "tokens/s, acceptance, cost ratios and efficiency of MTP decoding")):
-        command = sub.add_parser(name, help=text)
-        command.add_argument("model_dir", type=Path)
-        command.add_argument("--depths", type=int, default=3, help="measure draft depths 1..N (default 3)")
-        command.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
-        command.add_argument("--repeats", type=int, default=3, help="runs of the prompt suite (medians)")
-        command.add_argument("--json", action="store_true")
-        command.set_defaults(run=run, model_dir_arg="model_dir")
-    sub.choices["tune"].add_argument("--write", action="store_true",
-                                     help="also record the depth in the model's config.json")
+    for name, run, text in (("tune", _tune, "measure plain decoding and depths 1..N, record the fastest in the "
+                             "user cache"),
+                            ("bench", _bench, "tokens/s, acceptance, cost ratios and efficiency of MTP decoding "
+                             "(writes nothing)")):
+        command = _command(sub, name, run, text)
+        command.add_argument("model_dir", type=Path, help="model directory with a head")
+        command.add_argument("--depths", type=int_in("depths"), default=3, metavar="N",
+                             help=f"measure draft depths 1..N, N in {describe('depths')}")
+        command.add_argument("--max-tokens", type=int_in("max_tokens"), default=128, metavar="M",
+                             help=f"tokens generated per prompt, {describe('max_tokens')}")
+        command.add_argument("--repeats", type=int_in("repeats"), default=3, metavar="R",
+                             help=f"runs of the prompt suite (medians), {describe('repeats')}")
+        command.add_argument("--json", action="store_true", help="machine-readable result")
+    sub.choices["tune"].add_argument("--write", action="store_true", help="also record the depth in the model's "
+                                     "config.json (atomically, mode kept; refused when read-only)")
     sub.choices["bench"].add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                                       help="cast the floating weights after loading (e.g. an fp32/hf checkpoint)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit code."""
+    """Entry point; returns the exit code (argparse's own usage errors exit 2 through ``SystemExit``).
+
+    On SIGTERM/SIGHUP the command's temporary files are removed, then the process ends by that signal.
+    """
     args = parser().parse_args(argv)
     directory = getattr(args, args.model_dir_arg)
-    if not directory.is_dir():
-        print(f"mtp-plugin: {directory}: not a directory; pass a model directory.", file=sys.stderr)
+    if not (directory / "config.json").is_file():
+        what = "not a directory" if not directory.is_dir() else "no config.json"
+        print(f"mtp-plugin: {directory}: {what}; pass a model directory.", file=sys.stderr)
         return 2
     try:
-        return args.run(args)
-    except (CheckpointError, ValueError) as e:
+        with terminating_cleanly():
+            return args.run(args)
+    except UsageError as e:
+        print(f"mtp-plugin: {e}", file=sys.stderr)
+        return 2
+    except (CheckpointError, ValueError, OSError) as e:
         print(f"mtp-plugin: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # cleanups have run
+        print("mtp-plugin: interrupted", file=sys.stderr)
+        return 130
+    except Terminated as e:  # cleanups have run: end as the signal asked
+        signal.signal(e.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), e.signum)
+        raise

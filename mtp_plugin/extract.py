@@ -6,26 +6,35 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError, find_head
 from .conventions import Contract
+from .files import check_new_output
 from .headfile import head_metadata, normalised_head, quantization_labels, quantize_head, write_atomically
 from .plugins import hook
+from .usage import GROUP_SIZES, HEAD_BITS, UsageError
 
 
-def extract(hf_dir: Path, out: Path, bits: int = 8, group_size: int = 64) -> dict:
+def extract(hf_dir: Path, out: Path, bits: int = 8, group_size: int = 64, force: bool = False) -> dict:
     """Write the head of ``hf_dir`` to ``out`` (safetensors, names ``mtp.*``, norms folded to absolute).
 
     Args:
         hf_dir: a checkpoint carrying a head (normally the original Hugging Face one).
-        out: the head file to write (atomically; parent directories are created).
+        out: the head file to write (atomically, with the mode of a new user file); never inside ``hf_dir``.
         bits: 4 or 8 for affine quantization with ``mx.quantize``, 16 to keep bfloat16.
-        group_size: quantization group size.
+        group_size: quantization group size, one of ``usage.GROUP_SIZES``.
+        force: replace ``out`` if it exists (a writable file outside ``hf_dir``).
 
     Returns:
         Summary: tensors written, bytes, per-module quantization labels, norms folded.
 
     Raises:
+        UsageError: ``out`` exists (without ``force``), lies inside ``hf_dir``, or its directory is missing or
+            read-only; bits or group size not supported.
         CheckpointError: no head in ``hf_dir`` or a model type no plugin handles.
-        ValueError: bits/group size that do not fit the head's widths.
+        ValueError: a group size that does not divide the head's widths.
     """
+    if bits not in HEAD_BITS or group_size not in GROUP_SIZES:
+        raise UsageError(f"--bits must be one of {HEAD_BITS} and --group-size one of {GROUP_SIZES}, "
+                         f"got {bits} and {group_size}")
+    check_new_output(Path(out), [Path(hf_dir)], force)
     location = find_head(Path(hf_dir))
     if not location.tensors:
         raise CheckpointError(f"{hf_dir}: no MTP head tensors in any file; extract from the original checkpoint")

@@ -2,7 +2,9 @@
 
 Recipient files are hard-linked into the output (copied only across filesystems), so the output
 costs only the head's bytes; the recipient and donor are never written; the output appears
-atomically (built in a temporary directory beside it, then renamed).
+atomically (built in a temporary directory ``.NAME.*`` beside it, then renamed; removed on failure and on
+SIGTERM/SIGHUP when run under ``files.terminating_cleanly``, as the command line does). New files and
+directories get the modes of files the user creates (``files.user_mode``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from pathlib import Path
 from .checkpoint import CheckpointError, HeadLocation, HeadTensor, find_head, read_config
 from .compat import head_config, mismatches
 from .conventions import Contract
+from .files import check_new_output, user_mode
 from .headfile import head_metadata, normalised_head, quantization_labels, write_atomically
 from .plugins import hook
+from .usage import UsageError
 
 LAYOUTS = {  # layout: (head file, tensor-name prefix) each runtime documents
     "mlx-lm": ("mtp.safetensors", "mtp."),  # ours: a sidecar stock mlx-lm never reads
@@ -61,15 +65,16 @@ def graft(recipient: Path, donor: Path, out: Path, layout: str = "mlx-lm", force
         Summary: layout, head file, tensors, head bytes, overridden mismatches.
 
     Raises:
+        UsageError: unknown layout; ``out`` exists, lies inside the recipient or donor, or its parent is
+            missing or read-only.
         GraftRefused: config or base-quantization mismatches (unless ``force``), or a recipient that
             already carries a head.
-        CheckpointError: unreadable inputs, or ``out`` already exists.
+        CheckpointError: unreadable inputs.
     """
     recipient, donor, out = Path(recipient), Path(donor), Path(out)
     if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-    if out.exists():
-        raise CheckpointError(f"{out}: already exists; choose a new output directory")
+        raise UsageError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    check_new_output(out, [recipient, donor], kind="directory")
     config = read_config(recipient)
     if config.get("model_type") not in sum(hook().mtp_model_types(), []):
         raise GraftRefused(f"{recipient}: model type {config.get('model_type')!r} has no MTP support")
@@ -97,6 +102,7 @@ def graft(recipient: Path, donor: Path, out: Path, layout: str = "mlx-lm", force
             data["weight_map"].update({prefix + k: head_file for k in weights})
             index.unlink()  # a hard link to the recipient's index: never write through it
             index.write_text(json.dumps(data, indent=2))
+        os.chmod(tmp, user_mode(directory=True))
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

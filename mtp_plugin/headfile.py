@@ -8,8 +8,6 @@ Our own head files record what the loader needs in their safetensors metadata: `
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,6 +27,7 @@ from .conventions import (
     is_norm,
     quantization_of,
 )
+from .files import atomic_write
 from .plugins import hook
 
 QUANT_KEY = "mtp_quantization"
@@ -101,16 +100,9 @@ def head_metadata(contract: Contract, labels: dict[str, str]) -> dict[str, str]:
 
 
 def write_atomically(path: Path, tensors: dict, metadata: dict) -> None:
-    """Write a safetensors file through a temporary file in the same directory and ``os.replace``.
+    """Write a safetensors file atomically (``files.atomic_write``), creating its parent directories.
 
     A failure leaves no partial file; replacing an existing hard link never writes into its other names.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".safetensors", dir=path.parent)
-    os.close(fd)
-    try:
-        mx.save_safetensors(tmp, tensors, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda tmp: mx.save_safetensors(str(tmp), tensors, metadata=metadata), ".safetensors")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+from tqdm import tqdm
 
 from . import rollback
 from .drafter import log_softmax
@@ -77,35 +78,43 @@ def runtime_decoder(model):
 
 
 def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens: int,
-               repeats: int) -> dict[str, Result]:
-    """Measure each candidate, interleaved.
+               repeats: int, label: str = "measure") -> dict[str, Result]:
+    """Measure each candidate, interleaved, with a progress bar on stderr (phases ``LABEL: warm-up``,
+    ``LABEL: decode``; the candidate and repeat as its postfix).
 
     Args:
         decode: ``decode(prompt, max_tokens, depth)`` → iterator of greedy token ids.
         stats: ``stats()`` → ``MTPStats`` of the last MTP generation (or None).
         prompts: token ids of each prompt.
         depths: name → depth argument of ``decode`` (None: plain decoding, 0: adaptive, 1..8).
-        max_tokens: tokens generated per prompt.
+        max_tokens: tokens generated per prompt (≥ 2: speeds count the tokens after the first).
         repeats: repeats of the whole suite (≥ 1).
+        label: the command (or runtime) named in the progress bar.
 
     Returns:
         name → Result, in the order of ``depths``.
     """
-    for depth in depths.values():  # warm-up: first calls allocate and trace
-        _timed(decode(prompts[0], 8, depth))
     runs: dict[str, list[float]] = {name: [] for name in depths}
     totals: dict[str, MTPStats | None] = dict.fromkeys(depths)
-    for _ in range(repeats):
-        tokens, seconds = dict.fromkeys(depths, 0.0), dict.fromkeys(depths, 0.0)
-        for prompt in prompts:
-            for name, depth in depths.items():
-                n, s = _timed(decode(prompt, max_tokens, depth))
-                tokens[name], seconds[name] = tokens[name] + n, seconds[name] + s
-                if depth is not None and stats() is not None:
-                    totals[name] = totals[name] or MTPStats(depth or None)
-                    totals[name].add(stats())
-        for name in depths:
-            runs[name].append(tokens[name] / seconds[name])
+    with tqdm(total=len(depths) * (1 + repeats * len(prompts)), desc=f"{label}: warm-up", unit="run") as progress:
+        for name, depth in depths.items():  # warm-up: first calls allocate and trace
+            progress.set_postfix_str(name)
+            _timed(decode(prompts[0], 8, depth))
+            progress.update()
+        progress.set_description(f"{label}: decode")
+        for repeat in range(repeats):
+            tokens, seconds = dict.fromkeys(depths, 0.0), dict.fromkeys(depths, 0.0)
+            for prompt in prompts:
+                for name, depth in depths.items():
+                    progress.set_postfix_str(f"{name}, run {repeat + 1}/{repeats}")
+                    n, s = _timed(decode(prompt, max_tokens, depth))
+                    progress.update()
+                    tokens[name], seconds[name] = tokens[name] + n, seconds[name] + s
+                    if depth is not None and stats() is not None:
+                        totals[name] = totals[name] or MTPStats(depth or None)
+                        totals[name].add(stats())
+            for name in depths:
+                runs[name].append(tokens[name] / seconds[name])
     return {name: Result(name, statistics.median(runs[name]), runs[name], totals[name]) for name in depths}
 
 
@@ -150,7 +159,7 @@ def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30)
     parts.update({("verify", k): (lambda k=k: verify(k)) for k in range(2, max_depth + 2)})
     parts.update({("draft", d): (lambda d=d: draft(d)) for d in range(1, max_depth + 1)})
     seconds: dict = {part: [] for part in parts}
-    for _ in range(repeats):
+    for _ in tqdm(range(repeats), desc="bench: component costs", unit="round"):
         for part, run in parts.items():
             start = time.perf_counter()
             run()

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from . import measure, tuning
 from .checkpoint import CheckpointError
+from .files import check_replaceable
 from .plugins import hook
+from .usage import check
 
 MARGIN = 0.02  # a depth is recommended only if at least 2 % faster than plain decoding
 
@@ -37,6 +39,16 @@ def summarise(results: dict[str, measure.Result]) -> list[dict]:
     return rows
 
 
+def check_measure_options(depths: int, max_tokens: int, repeats: int) -> None:
+    """Refuse out-of-range options of tune and bench (``usage.RANGES``) before anything is loaded.
+
+    Raises:
+        UsageError: the option, its range and the value given.
+    """
+    for option, value in (("depths", depths), ("max_tokens", max_tokens), ("repeats", repeats)):
+        check(option, value)
+
+
 def load(model_dir: Path):
     """``(model, tokenizer)`` through the installed runtime, with a usable head.
 
@@ -56,15 +68,18 @@ def tune(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int =
         ``{"candidates": [...summarise rows], "depth": recommended (0: plain), "cache": path, "written": bool}``.
 
     Raises:
+        UsageError: ``depths``, ``max_tokens`` or ``repeats`` out of range (``usage.RANGES``); ``write`` and
+            config.json or its directory read-only (checked before measuring).
         CheckpointError: no usable head.
-        ValueError: ``depths`` outside 1..8.
     """
-    if not 1 <= depths <= 8:
-        raise ValueError(f"--depths must be 1..8, got {depths}")
+    check_measure_options(depths, max_tokens, repeats)
+    if write:
+        check_replaceable(Path(model_dir) / "config.json")
     model, tokenizer = load(model_dir)
     prompts = [tokenizer.encode(p) for p in measure.code_prompts()]
     candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}}
-    rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats))
+    rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats,
+                                        "tune"))
     best = max(rows[1:], key=lambda r: r["speedup"])
     depth = candidates[best["name"]] if best["speedup"] >= 1 + MARGIN else 0
     path = tuning.record(Path(model_dir), depth, {r["name"]: r["tokens_per_second"] for r in rows}, write)

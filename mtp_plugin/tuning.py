@@ -21,9 +21,10 @@ import json
 import numbers
 import os
 import platform
-import tempfile
 from importlib import metadata
 from pathlib import Path
+
+from .files import atomic_write, check_replaceable
 
 CONFIG_KEY = "mtp_tuned_depth"
 
@@ -83,16 +84,9 @@ def _read(path: Path) -> dict:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    """Write through a temporary file in the same directory and ``os.replace``: readers never see a partial file."""
+    """Write atomically (``files.atomic_write``): readers never see a partial file; the mode is kept."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
 
 
 def record(model_dir: Path, depth: int, results: dict, write_config: bool = False) -> Path:
@@ -108,11 +102,13 @@ def record(model_dir: Path, depth: int, results: dict, write_config: bool = Fals
         The user cache file written.
 
     Raises:
+        UsageError: ``write_config`` and config.json or its directory is read-only (nothing written).
         OSError: a file cannot be written.
     """
     model_dir = Path(model_dir)
     if write_config:
         config_path = model_dir / "config.json"
+        check_replaceable(config_path)
         config = json.loads(config_path.read_text())
         config[CONFIG_KEY] = depth
         _write_json(config_path, config)

@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
+from tqdm import tqdm
 
 from .checkpoint import CheckpointError, load_tensors
 from .conventions import ABSOLUTE, CONTRACT_KEY, NORM_KEY, ZERO_CENTRED, Contract
+from .files import atomic_write, check_replaceable
 from .headfile import normalised_head
 from .plugins import hook
 from .report import inspect_dir
+from .usage import UsageError
 
 MAX_TOKENS = 1024
+MIN_TOKENS = 2  # a draft of token t+2 from (h[t], x[t+1]) needs two tokens
 
 
 @dataclass(frozen=True)
@@ -58,18 +60,28 @@ def sweep(model, tokens: mx.array) -> list[Candidate]:
     original = dict(head.parameters())
     trunks = {h: hook().mtp_trunk(model=model, contract=Contract(hidden=h)) for h in ("post_norm", "pre_norm")}
     inputs = tokens[None]
-    hidden = {h: t.hidden(inputs, None) for h, t in trunks.items()}
+    wirings = list(itertools.product(("post_norm", "pre_norm"), ("embedding_first", "hidden_first")))
+    norm_sets = _norm_sets(loaded.location)
+    progress = tqdm(total=len(trunks) + len(norm_sets) * len(wirings), desc="verify: trunk passes", unit="pass")
+    hidden = {}
+    for h, t in trunks.items():
+        hidden[h] = t.hidden(inputs, None)
+        mx.eval(hidden[h])
+        progress.update()
     target = mx.argmax(trunks["post_norm"].trunk_logits(hidden["post_norm"]), axis=-1)[0, 1:]
     embeddings = trunks["post_norm"].embed(inputs[:, 1:])
+    progress.set_description("verify: wiring sweep")
     results = []
     try:
-        for norms, (weights, _) in _norm_sets(loaded.location).items():
+        for norms, (weights, _) in norm_sets.items():
             head.load_weights(list(weights.items()), strict=False)
-            for h, order in itertools.product(("post_norm", "pre_norm"), ("embedding_first", "hidden_first")):
+            for h, order in wirings:
                 head.contract = Contract(hidden=h, concat_order=order)
                 draft = mx.argmax(trunks[h].logits(head(hidden[h][:, :-1], embeddings)), axis=-1)[0]
                 results.append(Candidate(norms, h, order, (draft == target).mean().item()))
+                progress.update()
     finally:
+        progress.close()
         head.update(original)
         head.contract = Contract.from_metadata({**loaded.location.metadata, **loaded.location.config})
     return sorted(results, key=lambda c: -c.acceptance)
@@ -83,12 +95,18 @@ def verify(model_dir: Path, text: str, write: bool = False) -> dict:
         (acceptances in 0..1; ``head_trained`` is inspect's verdict on the head's statistics).
 
     Raises:
+        UsageError: ``write`` and config.json or ``model_dir`` is read-only; ``text`` shorter than two tokens.
         CheckpointError: no usable head in ``model_dir``.
     """
+    if write:
+        check_replaceable(Path(model_dir) / "config.json")
     model, tokenizer = hook().mtp_load_model(model_dir=model_dir)
     if getattr(model, "mtp_head", None) is None:
         raise CheckpointError(f"{model_dir}: no usable MTP head; run `mtp-plugin inspect {model_dir}`")
     tokens = mx.array(tokenizer.encode(text)[:MAX_TOKENS])
+    if tokens.size < MIN_TOKENS:
+        raise UsageError(f"the prompt text has {tokens.size} token(s); verify needs at least {MIN_TOKENS} "
+                         "(pass a longer --prompt-file)")
     candidates = sweep(model, tokens)
     contract = model.mtp_head.module.contract
     current = next(c for c in candidates if c.norms == "decided" and c.hidden == contract.hidden
@@ -103,11 +121,8 @@ def verify(model_dir: Path, text: str, write: bool = False) -> dict:
 
 
 def _write_config(model_dir: Path, location, best: Candidate) -> None:
-    """Record the winning contract and norm conventions in config.json (atomic replace, never in place)."""
+    """Record the winning contract and norm conventions in config.json (atomic replace, mode kept)."""
     config = dict(location.config)
     config[CONTRACT_KEY] = Contract(hidden=best.hidden, concat_order=best.concat_order).to_json()
     config[NORM_KEY] = json.dumps(_norm_sets(location)[best.norms][1])
-    fd, tmp = tempfile.mkstemp(prefix=".config.", suffix=".json", dir=model_dir)
-    with os.fdopen(fd, "w") as f:
-        json.dump(config, f, indent=2)
-    os.replace(tmp, model_dir / "config.json")
+    atomic_write(model_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2)))

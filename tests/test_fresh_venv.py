@@ -1,6 +1,8 @@
 """A user's install: the built wheel into a fresh virtual environment (dependencies from the package
 index), then that environment's own ``mlx_lm.generate`` decodes with MTP with no code change, and
-``pip uninstall`` restores stock behaviour. Slow (one to two minutes: the dependencies are installed)."""
+``pip uninstall`` restores stock behaviour. mlx-vlm is an extra (``mtp-plugin[vlm]``): an mlx-lm user's
+environment gets neither it nor its dependencies, and every command works without it. Slow (one to two
+minutes: the dependencies are installed)."""
 
 import re
 import subprocess
@@ -13,6 +15,10 @@ from console_runs import MLX4, REPO, Generation, environment, generate_args, run
 # Messages of pip and urllib3 when the package index cannot be reached.
 NO_NETWORK = re.compile(r"NewConnectionError|Failed to establish a new connection|Temporary failure in name "
                         r"resolution|Name or service not known|Network is unreachable|No route to host")
+
+
+# Dependencies mlx-vlm brings and mlx-lm does not: none of them in an mlx-lm user's environment.
+VLM_ONLY = {"mlx-vlm", "opencv-python", "pandas", "pyarrow", "datasets"}
 
 
 def pip(*args) -> None:
@@ -40,9 +46,12 @@ def test_wheel_in_fresh_venv_then_uninstall(tmp_path):
     run([sys.executable, "-m", "venv", venv])
     python = venv / "bin" / "python"
     pip(python, "-m", "pip", "install", "-c", pins(tmp_path / "pins.txt"), wheel)
-    for runtime in ("mlx", "mlx-lm", "mlx-vlm"):  # the wheel's dependencies, at the versions under test
+    for runtime in ("mlx", "mlx-lm"):  # the wheel's dependencies, at the versions under test
         assert run([python, "-c", f"from importlib.metadata import version; print(version('{runtime}'))"]
                    ).stdout.strip() == metadata.version(runtime)
+    installed = run([python, "-m", "pip", "list", "--format=freeze"]).stdout.lower()
+    assert not VLM_ONLY & {line.split("==")[0] for line in installed.splitlines()}, installed
+    assert run([venv / "bin" / "mtp-plugin", "inspect", MLX4]).stdout.count("can_run:            yes") == 1
 
     command = [venv / "bin" / "mlx_lm.generate", *generate_args(MLX4)]
     with_plugin = Generation.parse(run(command))

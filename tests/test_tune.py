@@ -91,8 +91,12 @@ def test_efficiency_from_measured_parts():
     assert "ideal" not in rows[0]
 
 
-def test_bench_report(model_dir):
+def test_bench_report(model_dir, capsys):
     report = bench(model_dir, depths=1, max_tokens=6, repeats=1, dtype="float32")
+    progress = capsys.readouterr().err  # the phases, on stderr
+    phases = ["warm-up", "decode", "component costs"] + [f"{r['name']}: decode" for r in report["references"]
+                                                         if not isinstance(r, str)]
+    assert all(f"bench: {phase}" in progress for phase in phases), progress
     names = [r["name"] for r in report["candidates"]]
     assert names == ["plain", "depth 1", "adaptive"]
     depth1 = report["candidates"][1]
@@ -106,5 +110,6 @@ def test_bench_report(model_dir):
 
 def test_bad_arguments(model_dir, capsys):
     assert main(["bench", str(model_dir / "missing")]) == 2
-    assert main(["tune", str(model_dir), "--depths", "9"]) == 1
-    assert "--depths must be 1..8" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        main(["tune", str(model_dir), "--depths", "9"])
+    assert "argument --depths: must be 1-8, got 9" in capsys.readouterr().err

@@ -7,6 +7,7 @@ The trained tiny checkpoint exercises acceptance through ``mlx_vlm.generate`` an
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -226,3 +227,24 @@ def test_cli_decodes_with_mtp():
     summary = next(line for line in mtp.stdout.splitlines() if line.startswith("MTP: depth=auto"))
     assert float(summary.split("acceptance=")[1].split()[0]) > 0
     assert mtp.stdout.split("==========")[1] == stock.stdout.split("==========")[1]  # prompt and generated text
+
+
+PREFILL_BAR = re.compile(r"Prefill:\s+\d+%\|[^|]*\| (\d+)/(\d+) ")
+
+
+def test_prefill_progress_bar_as_stock(trained, capsys):
+    """mlx-vlm's own ``Prefill`` bar (verbose, chunked prefill) is shown while MTP decodes, ending where stock's
+    ends; without ``verbose`` neither shows it."""
+    from mlx_vlm import generate
+
+    model, processor = trained
+    bars = {}
+    for mtp in (False, True):
+        for verbose in (False, True):
+            capsys.readouterr()
+            generate(model, processor, TRAINED_PROMPT, max_tokens=4, temperature=0.0, verbose=verbose,
+                     prefill_step_size=8, enable_mtp=mtp)
+            bars[mtp, verbose] = PREFILL_BAR.findall(capsys.readouterr().err)
+    assert bars[False, False] == bars[True, False] == []
+    assert bars[False, True] and bars[True, True][-1] == bars[False, True][-1], bars
+    assert model.mtp_head.stats is not None  # the last generation decoded with MTP

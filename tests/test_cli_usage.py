@@ -1,0 +1,129 @@
+"""Every command answers bad input with a message and exit 2 (failures exit 1); ``--help`` gives defaults and
+ranges; long commands show progress on stderr. Each case on a copy of the bundled checkpoints."""
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mtp_plugin.bench import bench
+from mtp_plugin.cli import main, parser
+from mtp_plugin.extract import extract
+from mtp_plugin.tune import tune
+from mtp_plugin.usage import UsageError
+
+ROOT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
+HF, MLX4 = ROOT / "hf", ROOT / "mlx-4bit"
+COMMANDS = ["inspect", "graft", "extract", "verify", "tune", "bench"]
+
+
+@pytest.fixture
+def model(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return Path(shutil.copytree(MLX4, tmp_path / "model"))
+
+
+def exit_code(argv) -> int:
+    """``main``'s exit code, argparse's ``SystemExit`` included."""
+    try:
+        return main([str(a) for a in argv])
+    except SystemExit as e:
+        return e.code
+
+
+def model_args(command: str, directory: Path, tmp_path: Path) -> list:
+    return {"graft": ["graft", "--recipient", directory, "--donor", HF, "--out", tmp_path / "out"],
+            "extract": ["extract", "--hf", directory, "--out", tmp_path / "head.safetensors"]}.get(
+        command, [command, directory])
+
+
+@pytest.mark.parametrize("command", ["bench", "tune"])
+@pytest.mark.parametrize("option,value", [("--max-tokens", 0), ("--max-tokens", 1), ("--max-tokens", -1),
+                                          ("--max-tokens", -5), ("--repeats", 0), ("--repeats", -1),
+                                          ("--depths", 0), ("--depths", 9), ("--max-tokens", "x")])
+def test_bench_and_tune_refuse_out_of_range_options(model, capsys, command, option, value):
+    assert exit_code([command, model, option, value]) == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}:" in err and ("must be" in err or "not an integer" in err)
+
+
+@pytest.mark.parametrize("function", [tune, bench])
+@pytest.mark.parametrize("options", [{"max_tokens": 1}, {"max_tokens": -1}, {"repeats": 0}, {"depths": 9}])
+def test_python_api_refuses_the_same_values(model, capsys, function, options):
+    with pytest.raises(UsageError, match="--(max-tokens|repeats|depths) must be"):
+        function(model, **options)
+    assert "warm-up" not in capsys.readouterr().err  # refused before loading or measuring
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("directory", ["empty", "missing"])
+def test_commands_on_a_directory_without_a_model(tmp_path, capsys, command, directory):
+    path = tmp_path / directory
+    if directory == "empty":
+        path.mkdir()
+    assert exit_code(model_args(command, path, tmp_path)) == 2
+    assert "pass a model directory" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "head.safetensors").exists()
+
+
+@pytest.mark.parametrize("group_size", ["0", "-64", "16", "256"])
+def test_extract_refuses_unsupported_group_sizes(tmp_path, capsys, group_size):
+    out = tmp_path / "head.safetensors"
+    assert exit_code(["extract", "--hf", HF, "--out", out, "--group-size", group_size]) == 2
+    assert "--group-size" in capsys.readouterr().err and not out.exists()
+    with pytest.raises(UsageError, match="--group-size"):
+        extract(HF, out, 8, int(group_size))
+
+
+@pytest.mark.parametrize("text", ["", "\n", "x"])
+def test_verify_refuses_a_prompt_too_short(model, tmp_path, capsys, text):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(text)
+    assert exit_code(["verify", model, "--prompt-file", prompt]) == 2
+    assert "verify needs at least 2" in capsys.readouterr().err
+
+
+def test_verify_refuses_unreadable_prompt_files(model, tmp_path, capsys):
+    assert exit_code(["verify", model, "--prompt-file", tmp_path / "missing.txt"]) == 2
+    assert "missing.txt: cannot be read" in capsys.readouterr().err
+    binary = tmp_path / "binary.bin"
+    binary.write_bytes(b"\xff\xfe\x00\x81" * 10)
+    assert exit_code(["verify", model, "--prompt-file", binary]) == 2
+
+
+def test_graft_failure_exits_1_usage_error_2(tmp_path, capsys):
+    """A donor that does not fit is a failure (1); the output directory is never created."""
+    assert exit_code(["graft", "--recipient", MLX4, "--donor", HF, "--out", tmp_path / "out"]) == 1
+    assert "already carries a head" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert exit_code(["graft", "--recipient", MLX4, "--donor", HF, "--out", tmp_path / "out", "--layout", "x"]) == 2
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_shows_defaults_and_ranges(capsys, command):
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    sub = parser()._subparsers._group_actions[0].choices[command]
+    for action in sub._actions:
+        if action.default not in (None, False, "==SUPPRESS==") and action.dest != "help":
+            assert f"(default: {action.default})" in text, (action.dest, text)
+        if action.choices:
+            assert "{" + ",".join(map(str, action.choices)) + "}" in text
+    if command in ("tune", "bench"):
+        assert "N in 1-8" in text and "per prompt, >= 2" in text and "(medians), >= 1" in text
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert re.fullmatch(r"mtp-plugin \d+\.\d+\.\d+\S*\n", capsys.readouterr().out)
+
+
+def test_tune_shows_progress_phases(model, capsys):
+    assert main(["tune", str(model), "--depths", "1", "--max-tokens", "4", "--repeats", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "tune: warm-up" in captured.err and "tune: decode" in captured.err and "depth 1, run 1/1" in captured.err
+    assert captured.out.startswith("{")  # progress never mixes into the JSON on stdout
