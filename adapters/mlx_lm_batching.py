@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mtp_plugin.batching import BatchDrafter, Row, Step
-from mtp_plugin.controller import DepthController
+from mtp_plugin.controller import PLAIN, DepthController
 from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH
 from mtp_plugin.drafter import Drafter
 from mtp_plugin.plugins import hook
@@ -114,10 +114,12 @@ class BatchContext:
         row.carry, row.whole = hidden[:, last - fed : last - fed + 1], True
 
     def policy(self, rows: int) -> DepthController:
-        """The depth policy of batches of ``rows`` rows (1, 2-3, 4-7, 8-15, …)."""
+        """The depth policy of batches of ``rows`` rows (1, 2-3, 4-7, 8-15, …). A single row starts at the tuned
+        depth; larger batches start parked and draft only when their probes measure a gain (batching already
+        shares each weight read among the rows, so a verify pass gains less there)."""
         size = rows.bit_length()
         if size not in self.policies:
-            self.policies[size] = DepthController(self.start)
+            self.policies[size] = DepthController(self.start if size == 1 else PLAIN)
         return self.policies[size]
 
 

@@ -33,7 +33,8 @@ def main() -> None:
     machine, versions = tuning.machine(), tuning.versions()
     dtype = None if args.dtype == "none" else args.dtype
     report = bench(args.model, args.depths, args.max_tokens, args.repeats, dtype)
-    header = [f"mtp-plugin bench {args.model.name} ({args.model}), dtype {args.dtype}, greedy, code prompts, "
+    shown = os.path.relpath(args.model.resolve(), Path(__file__).resolve().parents[1])  # no absolute path in results
+    header = [f"mtp-plugin bench {args.model.name} ({shown}), dtype {args.dtype}, greedy, code prompts, "
               f"{args.max_tokens} tokens per prompt, median of {args.repeats} runs",
               f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
               f"machine: {json.dumps(machine)}, {os.cpu_count()} CPUs",
