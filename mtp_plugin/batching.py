@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import rollback
-from .decoding import NONFINITE, Sampling, accept_greedy, accept_sampled, reject_nonfinite
+from .decoding import NONFINITE, Sampling, accept_greedy, accept_sampled, processed_logprobs, reject_nonfinite
 from .drafter import log_softmax
 from .stats import MTPStats
 
@@ -153,19 +153,6 @@ class BatchDrafter:
             qs.append(q)
         return mx.concatenate(tokens), qs
 
-    def _logprobs(self, row: Row, logits: mx.array, inputs: mx.array) -> mx.array:
-        """Log-probs (S, V) of one row after its processors, position i seeing history + inputs[:i+1]."""
-        if row.processors:
-            out = []
-            for i in range(inputs.size):
-                seen = mx.concatenate([row.history, inputs[: i + 1]]) if row.history is not None else inputs[: i + 1]
-                x = logits[i : i + 1]
-                for processor in row.processors:
-                    x = processor(seen, x)
-                out.append(x)
-            logits = mx.concatenate(out, axis=0)
-        return log_softmax(logits)
-
     def _pick(self, row: Row, logprobs: mx.array) -> mx.array:
         """Plain tokens (N,) from log-probs (N, V): the row's own sampler, else argmax."""
         if row.sampler is None:
@@ -184,7 +171,8 @@ class BatchDrafter:
         if any(row.processors for row in rows):
             rows_logprobs = []
             for i, row in enumerate(rows):
-                rows_logprobs.append(self._logprobs(row, logits[i : i + 1], inputs[i : i + 1]))
+                fed = inputs[i : i + 1]
+                rows_logprobs.append(processed_logprobs(logits[i : i + 1], fed, row.history, row.processors))
                 if row.processors:
                     row.history = mx.concatenate([row.history, inputs[i : i + 1]])
             logprobs = mx.concatenate(rows_logprobs)
@@ -234,7 +222,7 @@ class BatchDrafter:
         logprobs, accepted, tokens = [], [], []
         for i, row in enumerate(rows):
             d = depths[i]
-            lp = self._logprobs(row, logits[i, : d + 1], inputs[i, : d + 1])
+            lp = processed_logprobs(logits[i, : d + 1], inputs[i, : d + 1], row.history, row.processors)
             logprobs.append(mx.pad(lp, [(0, width - d), (0, 0)]))
             if d == 0:
                 accepted.append(mx.array(0))

@@ -157,6 +157,21 @@ def reject_nonfinite(accepted: mx.array, finite: mx.array) -> mx.array:
     return mx.where(finite, accepted, NONFINITE)
 
 
+def processed_logprobs(logits: mx.array, inputs: mx.array, past: mx.array | None, processors) -> mx.array:
+    """Log-probs (S, V) of ``logits`` (S, V) after mlx-lm style ``processors`` (``processor(tokens, logits)``),
+    position i seeing the tokens ``past`` (None: none) + ``inputs[:i+1]``, as mlx-lm applies them per step."""
+    if processors:
+        rows = []
+        for i in range(inputs.size):
+            seen = mx.concatenate([past, inputs[: i + 1]]) if past is not None else inputs[: i + 1]
+            row = logits[i : i + 1]
+            for processor in processors:
+                row = processor(seen, row)
+            rows.append(row)
+        logits = mx.concatenate(rows, axis=0)
+    return _log_softmax(logits)
+
+
 class DepthPolicy(Protocol):
     """Chooses each cycle's draft depth (``controller.DepthController``, ``controller.FixedDepth``).
 
@@ -226,16 +241,7 @@ class _Loop:
 
     def logprobs_at(self, logits: mx.array, inputs: mx.array, past: mx.array | None) -> mx.array:
         """Log-probs (S, V) after the processors, position i seeing ``past`` + ``inputs[:i+1]``."""
-        if self.processors:
-            rows = []
-            for i in range(inputs.size):
-                seen = mx.concatenate([past, inputs[: i + 1]]) if past is not None else inputs[: i + 1]
-                row = logits[i : i + 1]
-                for processor in self.processors:
-                    row = processor(seen, row)
-                rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
-        return _log_softmax(logits)
+        return processed_logprobs(logits, inputs, past, self.processors)
 
     def pick(self, logprobs: mx.array) -> mx.array:
         """The next token (…,): argmax, or a sample of the sampling distribution."""
