@@ -85,11 +85,10 @@ class BatchContext:
                 self.recall(prefix, row)
         return self.heads[uid]
 
-    def remember(self, tokens: list[int], cache, pending: list) -> None:
+    def remember(self, tokens: list[int], cache, pending) -> None:
         """Keep the head of a finished request whose trunk cache holds ``tokens`` and whose head holds the pair
         of every position from the first: its KV cache and its pairs not yet fed (``Row.pending``)."""
-        hidden = mx.concatenate([h for h, _ in pending], axis=1) if pending else None
-        following = mx.concatenate([t for _, t in pending]) if pending else None
+        hidden, following = pending.peek() or (None, None)
         self.store[tuple(tokens)] = (cache, hidden, following)
         self.store.move_to_end(tuple(tokens))
         while len(self.store) > STORED_HEADS:
@@ -408,7 +407,7 @@ class MTPGenerationBatch:
         of the token it follows."""
         tokens = step.tokens.tolist()
         for i, row in enumerate(self.rows):
-            row.pending.append((step.hidden[i : i + 1], step.tokens[i : i + 1]))
+            row.keep(step.hidden[i : i + 1], step.tokens[i : i + 1])
             row.last = tokens[i]
             row.stats.plain += 1
         return tokens
@@ -452,9 +451,11 @@ def _row(ctx: BatchContext, uid: int, last: int, carry, sampler, processors, tok
     stats = MTPStats(depth or None)
     if options is not None and wanted:
         options.stats = stats
-    pending = [] if carry is None else [(carry, mx.array([last], dtype=mx.uint32))]
-    history = mx.array(tokens, dtype=mx.uint32) if processors else None
-    return Row(last, pending, sampling, sampler, list(processors or []), history, depth, stats)
+    row = Row(last, sampling=sampling, sampler=sampler, processors=list(processors or []),
+              history=mx.array(tokens, dtype=mx.uint32) if processors else None, depth=depth, stats=stats)
+    if carry is not None:
+        row.keep(carry, mx.array([last], dtype=mx.uint32))
+    return row
 
 
 def log_summary(ctx: BatchContext) -> None:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import inspect
 import logging
@@ -146,8 +147,27 @@ def kv_quantizer(bits: int | None, group_size: int, start: int):
     return step
 
 
+def on_stream(tokens, stream):
+    """Run the generator ``tokens`` on mlx-lm's generation ``stream`` (None: the default stream) and free MLX's
+    buffer cache every 256 tokens, as mlx-lm's own ``generate_step`` loop does."""
+    import mlx.core as mx
+
+    with mx.stream(stream) if stream is not None else contextlib.nullcontext():
+        try:
+            for n, item in enumerate(tokens):
+                yield item
+                if n % 256 == 0:
+                    mx.clear_cache()
+        finally:
+            tokens.close()  # the loop leaves its caches as plain decoding would, on this stream
+
+
 def mtp_generate_step(generate_step, captured: set[str]):
-    """Wrap ``generate_step``: MTP for a model with a loaded head whose runtime layers have capture points."""
+    """Wrap ``generate_step``: MTP for a model with a loaded head whose runtime layers have capture points.
+
+    The MTP loop runs on the stream the call names (mlx-lm ≥ 0.32: ``generate_step``'s ``stream``; earlier
+    versions: mlx-lm's ``generation_stream``), as mlx-lm's loop does.
+    """
 
     defaults = {name: p.default for name, p in inspect.signature(generate_step).parameters.items()
                 if p.kind is p.KEYWORD_ONLY}
@@ -164,10 +184,16 @@ def mtp_generate_step(generate_step, captured: set[str]):
             if options is not None:
                 generator = hook().mtp_generate_step(prompt=prompt, model=model, options=options)
                 if generator is not None:
-                    return generator
+                    stream = args[0] if args else kwargs.get("stream", _generation_stream())
+                    return on_stream(generator, stream)
         return generate_step(prompt, model, *args, **kwargs)
 
     return wrapper
+
+
+def _generation_stream():
+    """mlx-lm's generation stream (None if this version has none)."""
+    return getattr(sys.modules.get("mlx_lm.generate"), "generation_stream", None)
 
 
 def print_summary(generate):

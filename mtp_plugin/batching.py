@@ -28,7 +28,7 @@ import mlx.nn as nn
 
 from . import rollback
 from .decoding import NONFINITE, Sampling, accept_greedy, accept_sampled, processed_logprobs, reject_nonfinite
-from .drafter import log_softmax
+from .drafter import PendingPairs, log_softmax
 from .stats import MTPStats
 
 
@@ -38,7 +38,7 @@ class Row:
 
     Attributes:
         last: newest emitted token id, not yet fed to the trunk.
-        pending: head pairs not yet fed: (hidden (1, n, H), tokens (n,)) chunks, oldest first.
+        pending: head pairs not yet fed (the last ``drafter.HISTORY_WINDOW`` at most).
         sampling: None for greedy MTP drafting, else the row sampler's distribution.
         sampler: the runtime's sampler callable, used on plain steps of a row that cannot draft (None: argmax).
         processors: logits processors ``processor(tokens, logits) -> logits``.
@@ -47,11 +47,12 @@ class Row:
             None follows the batch's depth policy.
         stats: this row's MTP counters.
         head_whole: whether the head's cache holds a pair for every context position from the first (a runtime
-            may keep such a cache for later requests that reuse this one's context).
+            may keep such a cache for later requests that reuse this one's context); False once a park longer
+            than ``drafter.HISTORY_WINDOW`` dropped pairs.
     """
 
     last: int
-    pending: list = field(default_factory=list)
+    pending: PendingPairs = field(default_factory=PendingPairs)
     sampling: Sampling | None = None
     sampler: Callable | None = None
     processors: list = field(default_factory=list)
@@ -60,9 +61,10 @@ class Row:
     stats: MTPStats = field(default_factory=MTPStats)
     head_whole: bool = True
 
-    def pairs(self) -> int:
-        """Number of pending head pairs."""
-        return sum(t.size for _, t in self.pending)
+    def keep(self, hidden: mx.array, tokens: mx.array) -> None:
+        """Committed pairs (hidden (1, n, H), tokens (n,)) for the head's next feed (``pending``)."""
+        if self.pending.add(hidden, tokens):
+            self.head_whole = False
 
 
 @dataclass
@@ -113,20 +115,17 @@ class BatchDrafter:
     def _feed(self, rows: list[Row], head_cache) -> mx.array | None:
         """Feed every row's pending pairs in one right-padded pass; the last fed output per row (B, 1, H),
         or None when no row has a pair."""
-        counts = [r.pairs() for r in rows]
+        counts = [len(r.pending) for r in rows]
         width = max(counts)
         if width == 0:
             return None
-        like = next(row.pending[0][0] for row in rows if row.pending)  # (1, n, H): shape and dtype of a pair
+        pairs = [row.pending.take() for row in rows]
+        like = next(p[0] for p in pairs if p is not None)  # (1, n, H): shape and dtype of a pair
         hidden, tokens = [], []
-        for row, n in zip(rows, counts, strict=True):
-            if n:
-                h, t = mx.concatenate([c[0] for c in row.pending], axis=1), mx.concatenate([c[1] for c in row.pending])
-            else:
-                h, t = mx.zeros((1, 0, like.shape[2]), like.dtype), mx.zeros((0,), mx.uint32)
+        for p, n in zip(pairs, counts, strict=True):
+            h, t = p if p is not None else (mx.zeros((1, 0, like.shape[2]), like.dtype), mx.zeros((0,), mx.uint32))
             hidden.append(mx.pad(h, [(0, 0), (0, width - n), (0, 0)]))
             tokens.append(mx.pad(t.astype(mx.uint32), [(0, width - n)]))
-            row.pending = []
         hidden, tokens = mx.concatenate(hidden), mx.stack(tokens)
         padding = [width - n for n in counts]
         if max(padding):
@@ -199,7 +198,7 @@ class BatchDrafter:
         Returns:
             The ``Verified`` outcome; caches are not yet committed (``commit``).
         """
-        depths = [d if row.pairs() else 0 for row, d in zip(rows, depths, strict=True)]
+        depths = [d if len(row.pending) else 0 for row, d in zip(rows, depths, strict=True)]
         width = max(depths)
         g = self._feed(rows, head_cache) if width else None  # parked rows keep their pairs for later
         drafts, qs, finite = [], [], mx.array(True)
@@ -255,7 +254,7 @@ class BatchDrafter:
         for i, row in enumerate(rows):
             k = keep[i]
             block = mx.array(verified.blocks[i][:k], dtype=mx.uint32)
-            row.pending.append((verified.hidden[i : i + 1, :k], block))
+            row.keep(verified.hidden[i : i + 1, :k], block)
             if row.processors:
                 row.history = mx.concatenate([row.history, verified.inputs[i, :k]])
             row.last = verified.blocks[i][k - 1]

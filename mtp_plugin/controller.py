@@ -20,10 +20,12 @@ Decisions. A newly chosen depth is kept for a few cycles (``dwell``) before the 
 controller switches only when the predicted rate beats the current one by a clear ``margin`` (hysteresis).
 Candidates are plain, every measured depth and the unmeasured neighbours of the current one (one step
 of exploration at a time). When plain wins, the loop decodes plain ("parked") for ``park`` tokens, then
-probes drafting again for a few cycles at the depth predicted best, so a recovering acceptance rate is
-noticed; each consecutive park
-is twice as long (up to ``max_park``). While drafting, t(1) is re-measured every ``plain_every`` tokens
-over ``plain_probe`` plain tokens, as long as plain decoding is still in contention.
+probes drafting again for ``probe`` cycles at the depth predicted best, so a recovering acceptance rate is
+noticed; each consecutive park is twice as long (up to ``max_park``). When no measured depth could beat
+plain decoding even if every draft were accepted ((d+1)/c(d) ≤ 1/t(1): a verify pass costs more than the
+tokens it could give, as on a CPU whose matmul cost grows with the tokens of a pass), the park lasts
+``long_park`` tokens: probing again soon could only lose. While drafting, t(1) is re-measured every
+``plain_every`` tokens over ``plain_probe`` plain tokens, as long as plain decoding is still in contention.
 
 Pure logic: no mlx, no clock. The decoding loop asks ``next_depth()`` once per cycle and reports each
 cycle with ``observe``; the question may run one cycle ahead of the reports (the loop queues each
@@ -57,6 +59,8 @@ class Settings:
             chosen depth's (a plain step costs most when drafting is far ahead).
         park: tokens of the first park; doubled at each consecutive park.
         max_park: longest park, in tokens.
+        probe: cycles drafted when a park ends, before the next decision.
+        long_park: tokens of a park when no measured depth could beat plain even with every draft accepted.
     """
 
     max_depth: int = 8
@@ -71,6 +75,8 @@ class Settings:
     contest: float = 0.25
     park: int = 32
     max_park: int = 256
+    probe: int = 2
+    long_park: int = 1024
 
 
 class DepthController:
@@ -182,7 +188,7 @@ class DepthController:
         s = self.settings
         if self.choice == PLAIN:  # a park ended: probe drafting at the depth that looks best
             self.probing = True
-            self._choose(max(range(1, s.max_depth + 1), key=self._rate_or_zero), s.dwell)
+            self._choose(max(range(1, s.max_depth + 1), key=self._rate_or_zero), s.probe)
             return
         if self._plain_stale():
             self._run(PLAIN, s.plain_probe)  # measure t(1); the choice stays
@@ -192,7 +198,7 @@ class DepthController:
             best = self.choice
         if best == PLAIN:  # parks right after a probe grow: acceptance has not recovered
             self.park_length = min(2 * self.park_length, s.max_park) if self.probing else s.park
-            self._choose(PLAIN, self.park_length)
+            self._choose(PLAIN, s.long_park if self._hopeless() else self.park_length)
         else:
             self._choose(best, s.dwell)
         self.probing = False
@@ -205,6 +211,12 @@ class DepthController:
         if self.running == PLAIN or self.since_plain < s.plain_every:
             return False
         return self._rate_or_zero(PLAIN) * (1 + s.contest) >= self._rate_or_zero(self.choice)
+
+    def _hopeless(self) -> bool:
+        """No measured depth d beats plain even at full acceptance: (d+1)/c(d) ≤ 1/t(1) for each."""
+        plain = self.rate(PLAIN)
+        measured = [d for d in range(1, self.settings.max_depth + 1) if self.costs[d]]
+        return plain is not None and bool(measured) and all((d + 1) / self.cost(d) <= plain for d in measured)
 
     def _rate_or_zero(self, depth: int) -> float:
         return self.rate(depth) or 0.0

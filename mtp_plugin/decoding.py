@@ -324,7 +324,8 @@ def generate(
     last token, no drafting). Consecutive plain steps are pipelined as in mlx-lm (the next step is queued
     before the current token is yielded). The head is not run during plain steps: the trunk hidden states
     of those tokens are kept and fed to the head in one batch when drafting resumes, so its cache holds the
-    same pairs (h[i], x[i+1]) as if it had drafted all along.
+    same pairs (h[i], x[i+1]) as if it had drafted all along (after a park longer than
+    ``drafter.HISTORY_WINDOW`` tokens, only the last that many: its history skips the rest).
 
     Args:
         prompt: prompt token ids (T,), T ≥ 1.

@@ -3,16 +3,68 @@
 The head's cache must hold the pair (h[i], x[i+1]) (trunk hidden state at i, token at i+1) for every
 committed position. The prompt's pairs are fed chunk by chunk as the trunk prefills it; later pairs
 (the accepted prefix of each verify pass, the tokens of plain decoding steps) are kept and fed in one
-batch by the next draft, so a head that did not run while the loop was parked drafts exactly as one
-fed at every token. Draft steps 2..d feed the head its own normed output and its own draft token
-(Qwen3-Next / Qwen3.5 MTP wiring, as vLLM's ``qwen3_next_mtp.py``); their cache rows are dropped once
-the drafts are verified.
+batch by the next draft, so a head that did not run while the loop was parked for up to
+``HISTORY_WINDOW`` tokens drafts exactly as one fed at every token. After a longer park only the last
+``HISTORY_WINDOW`` pairs are fed: the head's history skips the positions before them (its later keys sit
+closer to the earlier ones than the tokens do), which can only lower acceptance right after the park,
+never change an output token (every draft is verified), and bounds both what the head keeps while parked
+and the catch-up pass that resumes drafting (a whole park's pairs through the head would cost a sizeable
+share of the plain steps it saved on a small trunk). Draft steps 2..d feed the head its own normed output
+and its own draft token (Qwen3-Next / Qwen3.5 MTP wiring, as vLLM's ``qwen3_next_mtp.py``); their cache
+rows are dropped once the drafts are verified.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+
+HISTORY_WINDOW = 32  # most pairs kept unfed for the head; older ones are dropped (``PendingPairs``)
+
+
+class PendingPairs:
+    """The pairs (h[i], x[i+1]) committed but not yet fed to the head, oldest first; at most ``window``.
+
+    Args:
+        window: the most pairs kept; adding more drops the oldest (the head's history then has a gap).
+    """
+
+    def __init__(self, window: int = HISTORY_WINDOW):
+        self.window = window
+        self.chunks: list[tuple[mx.array, mx.array]] = []  # (hidden (1, n, H), tokens (n,))
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def add(self, hidden: mx.array, tokens: mx.array) -> bool:
+        """Keep pairs (hidden (1, n, H), tokens (n,)); True when older pairs were dropped to stay in the window."""
+        self.chunks.append((hidden, tokens))
+        self.count += tokens.size
+        excess = self.count - self.window
+        if excess <= 0:
+            return False
+        self.count = self.window
+        while self.chunks[0][1].size <= excess:
+            excess -= self.chunks.pop(0)[1].size
+        if excess:
+            hidden, tokens = self.chunks[0]
+            self.chunks[0] = (hidden[:, excess:], tokens[excess:])
+        return True
+
+    def peek(self) -> tuple[mx.array, mx.array] | None:
+        """All kept pairs as one (hidden (1, n, H), tokens (n,)), or None when there is none."""
+        if not self.chunks:
+            return None
+        if len(self.chunks) == 1:
+            return self.chunks[0]
+        return (mx.concatenate([h for h, _ in self.chunks], axis=1), mx.concatenate([t for _, t in self.chunks]))
+
+    def take(self) -> tuple[mx.array, mx.array] | None:
+        """``peek()``, then forget them (they are being fed)."""
+        pairs = self.peek()
+        self.chunks, self.count = [], 0
+        return pairs
 
 
 def log_softmax(logits: mx.array) -> mx.array:
@@ -32,7 +84,7 @@ class Drafter:
 
     def __init__(self, head: nn.Module, trunk, cache, sampling=None):
         self.head, self.trunk, self.cache, self.sampling = head, trunk, cache, sampling
-        self.pending: list[tuple[mx.array, mx.array]] = []  # pairs (hidden (1, n, H), tokens (n,)) not yet fed
+        self.pending = PendingPairs()
         self.stopped = False
 
     def feed(self, hidden: mx.array, tokens: mx.array) -> mx.array:
@@ -59,13 +111,14 @@ class Drafter:
         return hidden[:, -1:]
 
     def keep(self, hidden: mx.array, tokens: mx.array) -> None:
-        """Committed pairs (hidden (1, n, H), tokens (n,)), fed to the head by the next draft (none once stopped)."""
+        """Committed pairs (hidden (1, n, H), tokens (n,)), fed to the head by the next draft (none once stopped;
+        the last ``HISTORY_WINDOW`` at most)."""
         if not self.stopped:
-            self.pending.append((hidden, tokens))
+            self.pending.add(hidden, tokens)
 
     def stop(self) -> None:
         """Draft no more in this generation: kept pairs are dropped and no more are kept."""
-        self.stopped, self.pending = True, []
+        self.stopped, self.pending = True, PendingPairs()
 
     def draft(self, depth: int) -> tuple[mx.array, mx.array | None, mx.array]:
         """Queue ``depth`` draft steps after feeding every kept pair.
@@ -75,9 +128,7 @@ class Drafter:
             None); and ``finite``, a scalar bool: every head output of the cycle is finite (a NaN or Inf in
             the head's weights makes it False; ``decoding.reject_nonfinite`` turns that into a rejection).
         """
-        hidden = mx.concatenate([h for h, _ in self.pending], axis=1) if len(self.pending) > 1 else self.pending[0][0]
-        tokens = mx.concatenate([t for _, t in self.pending]) if len(self.pending) > 1 else self.pending[0][1]
-        self.pending = []
+        hidden, tokens = self.pending.take()
         g = self.feed(hidden, tokens)[:, -1:]
         drafts, qs, outputs = [], [], []
         for k in range(depth):

@@ -28,6 +28,7 @@ from mlx_lm.utils import load_model
 
 from mtp_plugin import decoding
 from mtp_plugin.controller import PLAIN, DepthController
+from mtp_plugin.drafter import HISTORY_WINDOW, PendingPairs
 from mtp_plugin.plugins import hook
 
 HF = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5" / "hf"
@@ -153,6 +154,32 @@ def test_head_history_after_parking_equals_feeding_all_along(tiny):
     assert len(prompt) + 20 < fed < sequence.shape[1]
     for got, want in ((head_cache.keys, reference.keys), (head_cache.values, reference.values)):
         np.testing.assert_allclose(np.array(got[..., :fed, :]), np.array(want[..., :fed, :]), rtol=1e-4, atol=1e-4)
+
+
+def test_park_longer_than_the_window_feeds_only_its_last_pairs(tiny):
+    """After a park longer than ``HISTORY_WINDOW`` tokens the head is fed only the window's pairs (its history has a
+    gap of the rest), and the output is still plain greedy's."""
+    model, prompt = tiny
+    head = model.mtp_head.module
+    trunk = hook().mtp_trunk(model=model, contract=head.contract)
+    gap, head_cache = 12, KVCache()
+    n = HISTORY_WINDOW + gap + 6
+    schedule = Schedule([1] + [0] * (HISTORY_WINDOW + gap) + [2] * 8)
+    out = [t for t, _ in decoding.generate(mx.array(prompt), trunk, head, cache=make_prompt_cache(model),
+                                           head_cache=head_cache, depth=schedule, max_tokens=n)]
+    assert out == tokens(model, prompt, enable_mtp=False, max_tokens=n)
+    assert any(depth == 2 for depth, _ in schedule.ran)  # drafting resumed after the long park
+    assert head_cache.offset <= len(prompt) + n - gap
+
+
+def test_pending_pairs_keep_the_newest_window():
+    pairs = PendingPairs(window=5)
+    assert pairs.take() is None and not pairs.add(mx.zeros((1, 3, 2)), mx.array([0, 1, 2]))
+    assert pairs.add(mx.ones((1, 4, 2)), mx.array([3, 4, 5, 6]))  # 7 pairs: the two oldest are dropped
+    assert len(pairs) == 5
+    hidden, following = pairs.take()
+    assert following.tolist() == [2, 3, 4, 5, 6] and hidden[0, :, 0].tolist() == [0, 1, 1, 1, 1]
+    assert len(pairs) == 0 and pairs.peek() is None
 
 
 def test_policy_depth_out_of_range_is_refused(random_model):

@@ -23,6 +23,8 @@ from mtp_plugin.adapters.mlx_lm_server import MTPRequest
 from mtp_plugin.adapters.patching import release
 from test_sampling import PROMPT, VOCAB, chi_square_p, exact_marginals
 
+from mtp_plugin.drafter import HISTORY_WINDOW
+
 # mlx-lm < 0.32 pollutes the GatedDeltaNet state of right-padded prompt rows (its ArraysCache mask ignores the
 # prompt lengths), so its own batched output differs from a request served alone; there the reference of a batch
 # is stock mlx-lm batching the same rows.
@@ -153,6 +155,23 @@ def test_rows_join_and_leave_between_cycles(trained, monkeypatch, schedule):
         (want,) = stock_tokens(model, [prompt], [n])
         assert results[uid] == (want[: len(results[uid])] if uid == cancelled else want)
     assert len(results[cancelled]) < MAX_TOKENS[1]
+
+
+def test_row_parked_past_the_window_keeps_only_its_last_pairs(trained, monkeypatch):
+    """A row parked for longer than ``HISTORY_WINDOW`` steps keeps that many pairs for its head, decodes stock's
+    tokens, and its head is not remembered for prompt-cache reuse (its history has a gap)."""
+    model, tokenizer = trained
+    generator = mtp_generator(model)
+    monkeypatch.setattr(type(model.mtp_head.batching), "policy", lambda self, rows: Schedule([0]))
+    model.mtp_head.batching.store.clear()
+    prompt, n, results = tokenizer.encode(PROMPTS[1]), HISTORY_WINDOW + 8, {}
+    (uid,) = insert(generator, [prompt], [n])
+    drain(generator, results, steps=HISTORY_WINDOW + 4)
+    (row,) = generator._generation_batch.rows
+    assert len(row.pending) == HISTORY_WINDOW and not row.head_whole
+    drain(generator, results)
+    assert results[uid] == stock_tokens(model, [prompt], [n])[0]
+    assert not model.mtp_head.batching.store
 
 
 @pytest.fixture(scope="module")

@@ -150,3 +150,31 @@ def test_estimates():
 def test_invalid_start():
     with pytest.raises(ValueError, match="start depth"):
         DepthController(start=9)
+
+
+def test_long_park_when_no_depth_could_win():
+    """A cycle costs more than the tokens it could give even at full acceptance ((d+1)/c(d) < 1/t(1), as on a CPU
+    whose matmul cost grows with the tokens of a pass): after the probe, the park lasts ``long_park`` tokens; with
+    a verify pass that could win at full acceptance, parks double as before."""
+    s = Settings()
+    for verify, park in ((linear(1.2), s.long_park), (linear(0.6), 2 * s.park)):
+        controller = DepthController(start=PLAIN)
+        trace = Trace(acceptance=constant(0.05), verify=verify, draft=0.1, noise=0.0)
+        for _ in range(s.park):
+            assert controller.next_depth() == PLAIN
+            controller.observe(PLAIN, *trace.run(PLAIN))
+        for _ in range(s.probe):
+            depth = controller.next_depth()
+            assert depth >= 1
+            controller.observe(depth, *trace.run(depth))
+        parked = 0
+        while controller.next_depth() == PLAIN:
+            parked += 1
+            controller.observe(PLAIN, *trace.run(PLAIN))
+        assert parked == park
+
+
+def test_scenarios_settle_with_few_probes_when_drafting_cannot_win():
+    """Every draft rejected and a verify pass dearer than its tokens: under 2 % of tokens are probes."""
+    _, depths = throughput(Trace(acceptance=constant(0.0), verify=linear(1.5), draft=0.2), DepthController())
+    assert depths.count(PLAIN) / len(depths) > 0.98

@@ -7,6 +7,7 @@ exercises acceptance at every depth.
 
 import dataclasses
 import importlib
+import inspect
 import threading
 
 import mlx.core as mx
@@ -203,6 +204,19 @@ def test_head_memory_is_released(model):
     before = sum(v.nbytes for _, v in tree_flatten(model.mtp_head.module.parameters()))
     tokens(model, PROMPTS["long"], max_tokens=8, mtp_depth=4)
     assert sum(v.nbytes for _, v in tree_flatten(model.mtp_head.module.parameters())) == before
+
+
+def test_mtp_loop_runs_on_mlx_lms_stream(model):
+    """As mlx-lm's own loop: on ``generate_step``'s ``stream`` (mlx-lm ≥ 0.32), else on its ``generation_stream``."""
+    runtime = importlib.import_module("mlx_lm.generate")
+    stream = mx.new_stream(mx.default_device())
+    args = (stream,) if "stream" in inspect.signature(runtime.generate_step).parameters else ()
+    with mx.stream(stream if args else runtime.generation_stream):  # a thread-local stream: this thread's
+        want = mx.default_stream(mx.default_device())
+    seen = [mx.default_stream(mx.default_device())
+            for _ in generate_step(mx.array(PROMPTS["short"]), model, *args, mtp_depth=2, max_tokens=5)]
+    assert len(seen) == 5 and all(s == want for s in seen)
+    assert model.mtp_head.stats is not None  # it decoded with MTP
 
 
 @pytest.mark.parametrize("depth", ["3", 2.5, True, False, -1, 9, object()])
