@@ -15,12 +15,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from .checkpoint import CheckpointError, load_tensors
 from .conventions import ABSOLUTE, CONTRACT_KEY, NORM_KEY, ZERO_CENTRED, Contract
 from .files import atomic_write, check_replaceable
-from .headfile import normalised_head
 from .plugins import hook
 from .report import inspect_dir
 from .usage import UsageError
@@ -39,14 +39,17 @@ class Candidate:
     acceptance: float
 
 
-def _norm_sets(location) -> dict[str, tuple[dict, dict]]:
-    """For each norm reading: (norm weights as the head should load them, conventions to record)."""
-    folded, decisions = normalised_head(location)
+def _norm_sets(loaded) -> dict[str, tuple[dict, dict]]:
+    """For each norm reading of the loaded head ``loaded``: (norm weights as the head should load them, conventions
+    to record). "decided" is the loader's own reading: the files' evidence, settled by the head's predictions where
+    the files leave it open (``settle.py``)."""
+    location = loaded.location
     stored = hook().mtp_sanitize_head(weights=load_tensors(list(location.tensors.values())),
                                       config=location.config)
-    names = sorted(decisions)
+    loaded_weights = dict(tree_flatten(loaded.module.parameters()))
+    names = sorted(loaded.norms)
     return {
-        "decided": ({n: folded[n] for n in names}, {n: d.convention for n, d in decisions.items()}),
+        "decided": ({n: loaded_weights[n] for n in names}, {n: d.convention for n, d in loaded.norms.items()}),
         "stored_absolute": ({n: stored[n] for n in names}, dict.fromkeys(names, ABSOLUTE)),
         "all_zero_centred": ({n: (stored[n].astype(mx.float32) + 1).astype(stored[n].dtype) for n in names},
                              dict.fromkeys(names, ZERO_CENTRED)),
@@ -61,7 +64,7 @@ def sweep(model, tokens: mx.array) -> list[Candidate]:
     trunks = {h: hook().mtp_trunk(model=model, contract=Contract(hidden=h)) for h in ("post_norm", "pre_norm")}
     inputs = tokens[None]
     wirings = list(itertools.product(("post_norm", "pre_norm"), ("embedding_first", "hidden_first")))
-    norm_sets = _norm_sets(loaded.location)
+    norm_sets = _norm_sets(loaded)
     progress = tqdm(total=len(trunks) + len(norm_sets) * len(wirings), desc="verify: trunk passes", unit="pass")
     hidden = {}
     for h, t in trunks.items():
@@ -113,16 +116,17 @@ def verify(model_dir: Path, text: str, write: bool = False) -> dict:
                    and c.concat_order == contract.concat_order)
     best = candidates[0]
     if write:
-        _write_config(Path(model_dir), model.mtp_head.location, best)
+        _write_config(Path(model_dir), model.mtp_head, best)
     report = inspect_dir(Path(model_dir))
     return {"tokens": tokens.size, "best": asdict(best), "current": asdict(current),
             "candidates": [asdict(c) for c in candidates], "written": write,
             "head_trained": report["head_trained"], "head_trained_evidence": report.get("head_trained_evidence")}
 
 
-def _write_config(model_dir: Path, location, best: Candidate) -> None:
-    """Record the winning contract and norm conventions in config.json (atomic replace, mode kept)."""
-    config = dict(location.config)
+def _write_config(model_dir: Path, loaded, best: Candidate) -> None:
+    """Record the winning contract and norm conventions of ``loaded`` (the head) in config.json (atomic replace,
+    mode kept)."""
+    config = dict(loaded.location.config)
     config[CONTRACT_KEY] = Contract(hidden=best.hidden, concat_order=best.concat_order).to_json()
-    config[NORM_KEY] = json.dumps(_norm_sets(location)[best.norms][1])
+    config[NORM_KEY] = json.dumps(_norm_sets(loaded)[best.norms][1])
     atomic_write(model_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2)))

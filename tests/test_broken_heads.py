@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import make_sampler
 
 from mtp_plugin.report import inspect_dir
+from mtp_plugin.verify import verify
 
 PROMPT = mx.array([3, 17, 42, 99, 7, 128, 5, 64])
 
@@ -384,12 +385,15 @@ def test_small_absolute_norms_in_an_mlx_sidecar_stay_absolute(tmp_path):
     from mtp_plugin.cli import SAMPLE_SOURCE
 
     reference, tokenizer = load(str(TINY / "mlx-4bit"))
-    text = tokenizer.encode(SAMPLE_SOURCE.read_text()[:1500])
+    source = SAMPLE_SOURCE.read_text()[:1500]
+    text = tokenizer.encode(source)
     model, _ = load(str(_small_absolute_norms(tmp_path / "small")))
     for name in SMALL:
         decision = model.mtp_head.norms[name]
         assert decision.convention == "absolute" and "settled by the head's own predictions" in decision.evidence
     assert _agreement(model, text) > _agreement(reference, text) - 0.05
+    current = verify(tmp_path / "small", source)["current"]  # verify's "decided" reading is the loader's, settled
+    assert current["norms"] == "decided" and current["acceptance"] == pytest.approx(_agreement(model, text))
     report = inspect_dir(tmp_path / "small")
     assert report["can_run"] and "settles it" in report["norm_convention"]["pre_fc_norm_embedding.weight"]["evidence"]
 

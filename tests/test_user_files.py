@@ -120,6 +120,7 @@ SIGNALLED = """
 import os, signal, sys
 from mtp_plugin.cli import main
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job inherits it ignored)
 replace = os.replace
 
 def signal_then_replace(*args):  # the signal arrives just before a finished temporary file is renamed
