@@ -39,6 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 
 PLAIN = 0  # depth value meaning one plain decoding step (no drafting)
+MIN_SECONDS = 1e-9  # the least cost recorded for a cycle, so that rates stay finite
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,8 @@ class DepthController:
         Args:
             depth: what ran: a draft depth, or PLAIN (one plain step emitting one token).
             accepted: drafts accepted, 0..depth (0 for PLAIN).
-            seconds: its cost (wall-clock seconds spent in the decoding loop, consumer time excluded).
+            seconds: its cost (wall-clock seconds spent in the decoding loop, consumer time excluded); a clock
+                too coarse to see it (0) counts as ``MIN_SECONDS``.
         """
         emitted = accepted + 1
         fade = 0.5 ** (emitted / self.settings.half_life)
@@ -171,7 +173,7 @@ class DepthController:
             self.reached[k] += 1
         for k in range(1, accepted + 1):
             self.accepted[k] += 1
-        self.costs[depth].append(seconds)
+        self.costs[depth].append(max(seconds, MIN_SECONDS))
         self.since_plain = 0 if depth == PLAIN else self.since_plain + emitted
 
     # Decisions -------------------------------------------------------------------------------------

@@ -178,3 +178,13 @@ def test_scenarios_settle_with_few_probes_when_drafting_cannot_win():
     """Every draft rejected and a verify pass dearer than its tokens: under 2 % of tokens are probes."""
     _, depths = throughput(Trace(acceptance=constant(0.0), verify=linear(1.5), draft=0.2), DepthController())
     assert depths.count(PLAIN) / len(depths) > 0.98
+
+
+def test_zero_costs_from_a_coarse_clock():
+    """Cycles measured as 0 s (a clock too coarse to see them) neither crash the controller nor stop it deciding."""
+    for zero_when in (lambda d: True, lambda d: d == PLAIN, lambda d: d != PLAIN):
+        controller = DepthController(start=2)
+        for _ in range(300):
+            depth = controller.next_depth()
+            controller.observe(depth, 0, 0.0 if zero_when(depth) else 1.0)
+        assert 0 <= controller.next_depth() <= Settings().max_depth
