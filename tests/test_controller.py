@@ -175,9 +175,10 @@ def test_long_park_when_no_depth_could_win():
 
 
 def test_scenarios_settle_with_few_probes_when_drafting_cannot_win():
-    """Every draft rejected and a verify pass dearer than its tokens: under 2 % of tokens are probes."""
+    """Every draft rejected and a verify pass dearer than its tokens: under 0.5 % of tokens are probes (parks that
+    only doubled to 256 tokens, with 4-cycle probes, spent 1.6 % on them)."""
     _, depths = throughput(Trace(acceptance=constant(0.0), verify=linear(1.5), draft=0.2), DepthController())
-    assert depths.count(PLAIN) / len(depths) > 0.98
+    assert depths.count(PLAIN) / len(depths) > 0.995
 
 
 def test_zero_costs_from_a_coarse_clock():
