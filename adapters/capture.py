@@ -15,6 +15,7 @@ import importlib
 import mlx.core as mx
 
 from mtp_plugin import rollback
+from mtp_plugin.plugins import hook
 
 
 def capture_conv_window(call):
@@ -73,21 +74,27 @@ def capture_states(update):
     return wrapper
 
 
-def install(patches, modules: dict[str, tuple[str, str]]) -> set[str]:
-    """Wire the capture points into a runtime's GatedDeltaNet layers.
+def install(patches, runtime: str) -> dict[str, bool]:
+    """Wire the capture points into ``runtime``'s GatedDeltaNet layers that the families list
+    (``mtp_capture_points``).
 
     Args:
         patches: the adapter's ``Patches`` (so that unpatching removes them).
-        modules: ``{model_type: (module name, layer class name)}``; the module must define the layer class
-            and ``gated_delta_update``.
+        runtime: ``"mlx_lm"`` or ``"mlx_vlm"``; a listed module ``m`` is ``{runtime}.models.{m}`` and must define
+            the layer class and ``gated_delta_update``.
 
     Returns:
-        The model types whose layers were wired (a missing module or class is skipped: stock decoding).
+        ``{model_type: wired}`` for every listed model type (a missing module or class is not wired: those
+        checkpoints decode stock). A model type not listed needs no capture points (``rollback_ready``).
     """
-    wired = set()
-    for model_type, (name, layer_class) in modules.items():
+    listed = [item for items in hook().mtp_capture_points(runtime=runtime) for item in items]
+    wired: dict[tuple[str, str], bool] = {}
+    for _, module_name, layer_class in listed:
+        if (module_name, layer_class) in wired:
+            continue
+        wired[module_name, layer_class] = False
         try:
-            module = importlib.import_module(name)
+            module = importlib.import_module(f"{runtime}.models.{module_name}")
         except ImportError:
             continue
         layer = getattr(module, layer_class, None)
@@ -95,5 +102,11 @@ def install(patches, modules: dict[str, tuple[str, str]]) -> set[str]:
             continue
         patches.wrap(layer, "__call__", capture_conv_window)
         patches.wrap(module, "gated_delta_update", capture_states)
-        wired.add(model_type)
-    return wired
+        wired[module_name, layer_class] = True
+    return {model_type: wired[module_name, layer_class] for model_type, module_name, layer_class in listed}
+
+
+def rollback_ready(captured: dict[str, bool], model_type: str | None) -> bool:
+    """Whether a trunk of ``model_type`` can be rolled back after a verify pass: its layers that need capture
+    points got them (``install``), or it needs none (every cache trimmable)."""
+    return captured.get(model_type, True)

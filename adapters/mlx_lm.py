@@ -19,7 +19,6 @@ from mtp_plugin.hookspecs import hookimpl
 
 from . import capture
 from .mlx_lm_decoding import (
-    CAPTURE_POINTS,
     CAPTURED,
     add_cli_flags,
     describe_samplers,
@@ -75,7 +74,7 @@ def _patch_decoding():
     import mlx_lm.sample_utils
 
     generate_module = importlib.import_module("mlx_lm.generate")  # ``mlx_lm.generate`` is also a function
-    captured = capture.install(_patches, {t: (f"mlx_lm.models.{t}", c) for t, c in CAPTURE_POINTS.items()})
+    captured = capture.install(_patches, "mlx_lm")
     CAPTURED.clear()
     CAPTURED.update(captured)
     for module in (mlx_lm.sample_utils, generate_module):

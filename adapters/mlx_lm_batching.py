@@ -36,7 +36,8 @@ from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
 from mtp_plugin.tuning import start_depth
 
-from .mlx_lm_decoding import CAPTURED, CLI, LINEAR_ATTENTION_MODULE, SAMPLINGS
+from .capture import rollback_ready
+from .mlx_lm_decoding import CAPTURED, CLI, SAMPLINGS
 
 log = logging.getLogger("mtp_plugin")
 STORED_HEADS = 32  # finished requests whose head caches are kept for requests that reuse their prompt caches
@@ -139,7 +140,7 @@ class BatchingModel:
 def batching_model(model) -> BatchingModel | None:
     """``model`` wrapped for MTP batching, or None when it has no head whose trunk layers can be rolled back."""
     loaded = getattr(model, "mtp_head", None)
-    if loaded is None or LINEAR_ATTENTION_MODULE.get(loaded.location.model_type) not in CAPTURED:
+    if loaded is None or not rollback_ready(CAPTURED, loaded.location.model_type):
         return None
     trunk = hook().mtp_trunk(model=model, contract=loaded.module.contract)
     if trunk is None:
@@ -175,7 +176,8 @@ class _Capture:
             row = self.ctx.head_row(uid, self.prefixes[i])
             chunk = mx.array(self.tokens[i][self.done : self.done + valid], dtype=mx.uint32)
             row.carry = row.drafter.prefill(row.carry, hidden[i : i + 1, :valid], chunk)
-            states += [row.carry, row.drafter.cache.state]
+            cache = row.drafter.cache  # empty after a first chunk of one token: mlx-lm 0.31 has no state for it
+            states += [row.carry, *(cache.state if cache.offset else ())]
         mx.eval(states)
         self.done += n
         return hidden

@@ -26,15 +26,14 @@ from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
 from mtp_plugin.tuning import depth_policy, start_depth
 
+from .capture import rollback_ready
 from .patching import release
 
 log = logging.getLogger("mtp_plugin")
-CAPTURE_POINTS = {"qwen3_5": "GatedDeltaNet", "qwen3_next": "Qwen3NextGatedDeltaNet"}  # module: layer class
-LINEAR_ATTENTION_MODULE = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_next"}
 # mlx-lm < 0.32 shows logits processors only the tokens after the chunked prefill (measured on 0.31.3).
 PREFILL_IN_HISTORY = release("mlx-lm") >= (0, 32, 0)
 CLI = {"depth": 0, "enabled": True}  # set by --mtp-depth / --no-mtp; 0 = automatic
-CAPTURED: set[str] = set()  # linear-attention modules whose layers have capture points (set when patched)
+CAPTURED: dict[str, bool] = {}  # model type -> its layers needing capture points got them (``capture.install``)
 SAMPLINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sampler -> Sampling, None when greedy
 
 
@@ -162,8 +161,9 @@ def on_stream(tokens, stream):
             tokens.close()  # the loop leaves its caches as plain decoding would, on this stream
 
 
-def mtp_generate_step(generate_step, captured: set[str]):
-    """Wrap ``generate_step``: MTP for a model with a loaded head whose runtime layers have capture points.
+def mtp_generate_step(generate_step, captured: dict[str, bool]):
+    """Wrap ``generate_step``: MTP for a model with a loaded head whose trunk can be rolled back
+    (``capture.rollback_ready``).
 
     The MTP loop runs on the stream the call names (mlx-lm ≥ 0.32: ``generate_step``'s ``stream``; earlier
     versions: mlx-lm's ``generation_stream``), as mlx-lm's loop does.
@@ -179,7 +179,7 @@ def mtp_generate_step(generate_step, captured: set[str]):
         if loaded is not None:
             loaded.stats = None  # this generation's counters, None unless it decodes with MTP
         enable_mtp = CLI["enabled"] if enable_mtp is None else enable_mtp
-        if enable_mtp and LINEAR_ATTENTION_MODULE.get(model_type) in captured:
+        if enable_mtp and loaded is not None and rollback_ready(captured, model_type):
             options = decoding_options(model, loaded, prompt, mtp_depth, {**defaults, **kwargs})
             if options is not None:
                 generator = hook().mtp_generate_step(prompt=prompt, model=model, options=options)

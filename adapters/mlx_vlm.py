@@ -17,7 +17,7 @@ from pathlib import Path
 from mtp_plugin.hookspecs import hookimpl
 
 from . import capture
-from .mlx_vlm_decoding import CAPTURE_POINTS, mtp_generate_step, print_summary
+from .mlx_vlm_decoding import mtp_generate_step, print_summary
 from .patching import Patches, claiming, version_in_range, wrap_sanitizers
 
 TESTED = ("0.6.5", "0.8")
@@ -58,8 +58,7 @@ def mtp_patch_runtime(runtime):
 def _patch_decoding():
     import mlx_vlm
 
-    captured = capture.install(_patches,
-                               {t: (f"mlx_vlm.models.{t}.language", c) for t, c in CAPTURE_POINTS.items()})
+    captured = capture.install(_patches, "mlx_vlm")
     package = importlib.import_module("mlx_vlm.generate")  # ``mlx_vlm.generate`` is also a function
     ar = importlib.import_module("mlx_vlm.generate.ar")
     dispatch = importlib.import_module("mlx_vlm.generate.dispatch")

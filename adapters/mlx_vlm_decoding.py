@@ -28,12 +28,11 @@ from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
 from mtp_plugin.tuning import depth_policy
 
+from .capture import rollback_ready
 from .mlx_lm_decoding import announce
 from .patching import release
 
 log = logging.getLogger("mtp_plugin")
-CAPTURE_POINTS = {"qwen3_5": "Qwen3_5GatedDeltaNet", "qwen3_next": "Qwen3NextGatedDeltaNet"}  # module: layer class
-LINEAR_ATTENTION_MODULE = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_next"}
 # Plain prefill of a prompt of T tokens (measured on 0.6.8 and 0.7.10): mlx-vlm 0.7 runs all but the last
 # token in chunks whenever T > 1; 0.6 only when T > prefill_step_size, else the whole prompt in one pass.
 # Logits processors see the tokens of the last pass and every generated token.
@@ -169,9 +168,9 @@ def prefill_bar():
     return callback
 
 
-def mtp_generate_step(generate_step, ar, captured: set[str]):
+def mtp_generate_step(generate_step, ar, captured: dict[str, bool]):
     """Wrap mlx-vlm's ``generate_step(input_ids, model, pixel_values, mask, **kwargs)``: MTP for a text
-    prompt to a model with a loaded head whose runtime layers have capture points.
+    prompt to a model with a loaded head whose trunk can be rolled back (``capture.rollback_ready``).
 
     Added keywords: ``enable_mtp`` (False: stock decoding) and ``mtp_depth`` (draft depth 1-8; None: adaptive).
     """
@@ -184,7 +183,7 @@ def mtp_generate_step(generate_step, ar, captured: set[str]):
         model_type = loaded.location.model_type if loaded is not None else None
         if loaded is not None:
             loaded.stats = None
-        if enable_mtp and LINEAR_ATTENTION_MODULE.get(model_type) in captured:
+        if enable_mtp and loaded is not None and rollback_ready(captured, model_type):
             bound = signature.bind(input_ids, model, pixel_values, mask, **kwargs)
             bound.apply_defaults()
             named = dict(bound.arguments)

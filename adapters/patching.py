@@ -104,8 +104,10 @@ def strip_head_tensors(sanitize, model_type: str):
     @functools.wraps(sanitize)
     def wrapper(self, weights):
         claimed = _claimed.get()
+        args = getattr(self, "args", None)
+        config = vars(args) if hasattr(args, "__dict__") else None
         trunk = {k: v for k, v in weights.items() if k not in claimed
-                 and hook().mtp_head_name(name=k, model_type=model_type, sidecar=False) is None}
+                 and hook().mtp_head_name(name=k, model_type=model_type, sidecar=False, config=config) is None}
         return sanitize(self, trunk)
 
     return wrapper

@@ -1,15 +1,17 @@
 """Server load benchmark: stock ``mlx_lm.server`` against the plugin's, same model, same mixed workload.
 
     python benchmarks/server_load.py [--model examples/tiny-qwen3_5/hf] [--concurrency 1 2 4 8]
-                                     [--requests 4] [--repeats 2] [--time-cap 600] [--out benchmarks/results]
+                                     [--requests 8] [--repeats 3] [--time-cap 900] [--out benchmarks/results]
 
-Starts both servers on loopback ports (the stock one with ``MTP_PLUGIN_DISABLE=1``), then for each concurrency
-c runs c clients, each sending ``--requests`` greedy completions that alternate long (128 tokens) and short
-(16 tokens) code prompts, against each server in turn (interleaved, ``--repeats`` times). Prints, per c, the
-aggregate tokens/s of each server and their ratio, the p50/p95 latency of the short requests (they arrive
-while long ones decode) and their ratio, and the plugin's acceptance and drafted tokens per generated token
-(``timings`` of its responses). Ratios are medians over repeats of one run. Bounded: a fixed number of
-requests, ``--time-cap`` seconds in all, loopback only.
+Starts three servers on loopback ports: stock (``MTP_PLUGIN_DISABLE=1``), a second stock one (the control), and
+the plugin's. For each concurrency c, c clients each send ``--requests`` greedy completions that alternate long
+(128 tokens) and short (16 tokens) code prompts, against each server in turn (interleaved, rotating the order,
+``--repeats`` times). Prints, per c, the aggregate tokens/s of each server, the plugin's ratio to stock and the
+control's (stock against stock: the run's noise floor; mlx-lm's server admits a new request only between its
+0.5 s generation windows, so how requests overlap, and the throughput, shifts from run to run), the p50/p95
+latency of the short requests (they arrive while long ones decode) and their ratio, and the plugin's
+acceptance and drafted tokens per generated token (``timings`` of its responses). Ratios are medians over
+repeats of one run. Bounded: a fixed number of requests, ``--time-cap`` seconds in all, loopback only.
 """
 
 import argparse
@@ -114,9 +116,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=REPO / "examples" / "tiny-qwen3_5" / "hf")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--requests", type=int, default=4, help="requests per client (default 4)")
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per server and concurrency")
-    parser.add_argument("--time-cap", type=float, default=600.0, help="seconds for the whole benchmark")
+    parser.add_argument("--requests", type=int, default=8, help="requests per client (default 8)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per server and concurrency")
+    parser.add_argument("--time-cap", type=float, default=900.0, help="seconds for the whole benchmark")
     parser.add_argument("--plugin-args", default="", help="extra arguments of the plugin's server, e.g. '--no-mtp'")
     parser.add_argument("--out", type=Path, help="directory for the dated result file")
     args = parser.parse_args()
@@ -125,6 +127,7 @@ def main() -> None:
 
     logs = Path(tempfile.mkdtemp(prefix="mtp-server-load-"))
     servers = {"stock": Server(args.model, True, logs / "stock.log"),
+               "control": Server(args.model, True, logs / "control.log"),
                "plugin": Server(args.model, False, logs / "plugin.log", tuple(args.plugin_args.split()))}
     deadline = time.monotonic() + args.time_cap
     rows = []
@@ -132,26 +135,31 @@ def main() -> None:
         for server in servers.values():  # warm up each server once (model load, first compile)
             run_load(server, workload(1, 1))
         steps = [(c, r) for c in args.concurrency for r in range(args.repeats)]
-        results = {c: {"stock": [], "plugin": []} for c in args.concurrency}
+        results = {c: {name: [] for name in servers} for c in args.concurrency}
         for c, r in tqdm(steps, desc="server load", unit="run"):
             if time.monotonic() > deadline:
                 print(f"time cap reached at concurrency {c}, repeat {r}", file=sys.stderr)
                 break
-            order = ("stock", "plugin") if r % 2 == 0 else ("plugin", "stock")
-            for name in order:
+            names = list(servers)
+            for name in names[r % 3:] + names[: r % 3]:
                 results[c][name].append(run_load(servers[name], workload(c, args.requests)))
         for c in args.concurrency:
-            stock, plugin = results[c]["stock"], results[c]["plugin"]
-            if not stock or len(stock) != len(plugin):
+            stock, control, plugin = (results[c][name] for name in ("stock", "control", "plugin"))
+            runs = min(len(stock), len(control), len(plugin))
+            if not runs:
                 continue
+            stock, control, plugin = stock[:runs], control[:runs], plugin[:runs]
             ratios = [p["tok_s"] / s["tok_s"] for s, p in zip(stock, plugin, strict=True)]
+            noise = [k["tok_s"] / s["tok_s"] for s, k in zip(stock, control, strict=True)]
             p50 = [percentile(p["short"], 50) / percentile(s["short"], 50) for s, p in zip(stock, plugin, strict=True)]
             drafted, accepted = sum(p["drafted"] for p in plugin), sum(p["accepted"] for p in plugin)
             tokens = sum(p["tokens"] for p in plugin)
             rows.append((c, statistics.median(s["tok_s"] for s in stock), statistics.median(p["tok_s"] for p in plugin),
-                         statistics.median(ratios),
+                         statistics.median(ratios), statistics.median(noise),
                          statistics.median(percentile(s["short"], 50) for s in stock),
                          statistics.median(percentile(p["short"], 50) for p in plugin), statistics.median(p50),
+                         statistics.median(percentile(k["short"], 50) / percentile(s["short"], 50)
+                                           for s, k in zip(stock, control, strict=True)),
                          statistics.median(percentile(s["short"], 95) for s in stock),
                          statistics.median(percentile(p["short"], 95) for p in plugin),
                          accepted / drafted if drafted else 0.0, drafted / tokens if tokens else 0.0))
@@ -165,11 +173,11 @@ def main() -> None:
               f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
               f"machine: {json.dumps(tuning.machine())}, {os.cpu_count()} CPUs",
               f"versions: {json.dumps(tuning.versions())}",
-              "clients  stock tok/s  plugin tok/s  ratio | short p50 s: stock plugin ratio | short p95 s: stock plugin"
-              " | acceptance drafted/token"]
-    lines = [f"{c:7d}  {s:11.1f}  {p:12.1f}  {ratio:5.2f} | {s50:18.3f} {p50:6.3f} {r50:5.2f} | "
+              "clients  stock tok/s  plugin tok/s  ratio  control | short p50 s: stock plugin ratio control"
+              " | short p95 s: stock plugin | acceptance drafted/token"]
+    lines = [f"{c:7d}  {s:11.1f}  {p:12.1f}  {ratio:5.2f}  {aa:7.2f} | {s50:18.3f} {p50:6.3f} {r50:5.2f} {a50:7.2f} | "
              f"{s95:18.3f} {p95:6.3f} | {acc:10.2f} {per:15.2f}"
-             for c, s, p, ratio, s50, p50, r50, s95, p95, acc, per in rows]
+             for c, s, p, ratio, aa, s50, p50, r50, a50, s95, p95, acc, per in rows]
     text = "\n".join(header + lines) + "\n"
     print(text, end="")
     if args.out:

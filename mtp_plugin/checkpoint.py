@@ -2,7 +2,8 @@
 
 Only safetensors headers are read here; tensor data is read on demand, one tensor at a time
 (``mx.load`` is lazy: arrays that are never evaluated are never read from disk).
-This module is also the built-in plugin for reading safetensors files.
+This module is also the built-in plugin for reading safetensors files and for the sidecar files every family
+shares.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .conventions import ABSOLUTE, ZERO_CENTRED
+from .conventions import ZERO_CENTRED
 from .hookspecs import hookimpl
 from .plugins import hook
+
+SIDECAR_NAMES = ("mtp.safetensors", "mtp/weights.safetensors", "model-mtp.safetensors")
+CONFIG_KEYS = ("mtp_sidecar", "mtp_file", "mtp_weights")  # config.json keys naming a head file
 
 
 class CheckpointError(ValueError):
@@ -39,8 +43,13 @@ class HeadTensor:
 
     @property
     def naming(self) -> str:
-        """The naming form: ``mtp.*``, ``language_model.mtp.*``, ``model.mtp.*`` … or ``bare``."""
-        prefix = self.name[: len(self.name) - len(self.canonical)]
+        """The naming form: ``mtp.*``, ``language_model.mtp.*``, ``model.mtp.*`` … or ``bare``; for a head stored as
+        an extra decoder layer under its own names, that layer (``model.layers.61.*``)."""
+        prefix = self.name[: len(self.name) - len(self.canonical)] if self.name.endswith(self.canonical) else None
+        if prefix is None or any(p.isdigit() for p in prefix.split(".")):
+            parts = self.name.split(".")
+            index = next((i for i, p in enumerate(parts) if p.isdigit()), len(parts) - 2)
+            return ".".join(parts[: index + 1]) + ".*"
         return f"{prefix}*" if prefix else "bare"
 
 
@@ -139,7 +148,7 @@ def _candidate_files(model_dir: Path, config: dict, unusable: list[str]) -> tupl
         shards |= {model_dir / f for f in json.loads(index.read_text()).get("weight_map", {}).values()}
     sidecars = []
     named = {model_dir / v for cfg in (config, config.get("text_config") or {}) for k, v in cfg.items()
-             if k in ("mtp_sidecar", "mtp_file", "mtp_weights") and isinstance(v, str)}
+             if k in CONFIG_KEYS and isinstance(v, str)}
     for paths in hook().mtp_sidecar_paths(model_dir=model_dir, config=config):
         for path in map(Path, paths):
             problem = unreadable_file(path, named=path in named)
@@ -185,15 +194,14 @@ def find_head(model_dir: Path, config: dict | None = None) -> HeadLocation:
     config = read_config(model_dir) if config is None else config
     loc = HeadLocation(model_dir=model_dir, config=config)
     shards, sidecars = _candidate_files(model_dir, config, loc.unusable)
-    model_type = loc.model_type
     for path in shards + sidecars:
         header = hook().mtp_read_tensor_names(path=path)
         if header is None:
             continue
         names, metadata = header
-        found = _head_tensors(path, names, model_type, sidecar=path in sidecars)
+        found = _head_tensors(path, names, config, sidecar=path in sidecars)
         if not found and path not in sidecars:
-            found = _head_tensors(path, names, model_type, sidecar=True)
+            found = _head_tensors(path, names, config, sidecar=True)
             if len(found) != len(names):
                 found = []
         if not found:
@@ -212,10 +220,11 @@ def find_head(model_dir: Path, config: dict | None = None) -> HeadLocation:
     return loc
 
 
-def _head_tensors(path: Path, names: dict, model_type: str, sidecar: bool) -> list[HeadTensor]:
+def _head_tensors(path: Path, names: dict, config: dict, sidecar: bool) -> list[HeadTensor]:
     out = []
     for name, (shape, dtype) in names.items():
-        canonical = hook().mtp_head_name(name=name, model_type=model_type, sidecar=sidecar)
+        canonical = hook().mtp_head_name(name=name, model_type=config.get("model_type"), sidecar=sidecar,
+                                         config=config)
         if canonical is not None:
             out.append(HeadTensor(canonical, name, path, tuple(shape), dtype))
     return out
@@ -268,24 +277,21 @@ def trunk_headers(location: HeadLocation) -> dict[tuple[Path, str], tuple]:
     return out
 
 
-HF_STACK = "model.language_model."  # the original (Hugging Face) trunk prefix of Qwen3.5-family checkpoints
 
 
 def file_conventions(location: HeadLocation) -> dict[Path, tuple[str, str]]:
     """The norm convention each head file's own evidence gives its head norms, with that evidence.
 
     * a file that also holds trunk tensors: the head was stored with that trunk and shares its convention;
-      the trunk's own norms in that file say which (negative entries: zero-centred), else the checkpoint's
-      layout (Hugging Face original, ``model.language_model.*`` names or conv1d weights (C, 1, K):
-      zero-centred; an MLX conversion: absolute);
+      the trunk's own norms in that file say which (negative entries: zero-centred), else the family's reading
+      of the file's layout (``mtp_stored_norm_convention``; e.g. Qwen3.5's original Hugging Face layout:
+      zero-centred, an MLX conversion: absolute);
     * a head-only file written by PyTorch (safetensors metadata ``format: pt``): the original checkpoint's
-      zero-centred convention.
+      convention (the same hook; Qwen3.5: zero-centred).
 
     Files with no such evidence (a sidecar written by MLX without ``mtp_norm_convention``) are absent.
     """
     headers = trunk_headers(location)
-    hf = any(n.startswith(HF_STACK) or ("conv1d.weight" in n and shape[-1] != 1)
-             for (_, n), (shape, _) in headers.items())
     out = {}
     for path in location.files:
         if path in location.trunk_files:
@@ -296,18 +302,33 @@ def file_conventions(location: HeadLocation) -> dict[Path, tuple[str, str]]:
             if negative:
                 out[path] = (ZERO_CENTRED, f"stored with the trunk, whose norms in {path.name} are zero-centred "
                                            f"(negative entries in {negative[0]})")
-            elif hf:
-                out[path] = (ZERO_CENTRED, f"stored with the trunk in {path.name}, an original (Hugging Face "
-                                           "layout) checkpoint: zero-centred like its trunk")
-            else:
-                out[path] = (ABSOLUTE, f"stored with the trunk in {path.name}, an MLX conversion: absolute like "
-                                       "its trunk")
+                continue
+            shapes = {n: tuple(shape) for (f, n), (shape, _) in headers.items() if f == path}
+            stored = hook().mtp_stored_norm_convention(config=location.config, shapes=shapes, pytorch=False)
+            if stored is not None:
+                out[path] = (stored[0], f"stored with the trunk in {path.name}, {stored[1]}: {stored[0]} like its "
+                                        "trunk")
             continue
         _, metadata = hook().mtp_read_tensor_names(path=path) or ({}, {})
         if (metadata or {}).get("format") == "pt":
-            out[path] = (ZERO_CENTRED, f"{path.name} was written by PyTorch (format 'pt'), as the original "
-                                       "checkpoint stores it: zero-centred")
+            stored = hook().mtp_stored_norm_convention(config=location.config, shapes={}, pytorch=True)
+            if stored is not None:
+                out[path] = (stored[0], f"{path.name} was written by PyTorch (format 'pt'), as {stored[1]} stores "
+                                        f"it: {stored[0]}")
     return out
+
+
+@hookimpl
+def mtp_sidecar_paths(model_dir, config):
+    """For every handled model type, the sidecar files runtimes write (``graft.LAYOUTS``: ours and mtplx's
+    ``mtp.safetensors``, mlx-serve's ``mtp/weights.safetensors``, omlx's ``model-mtp.safetensors``) and a file that
+    config.json (or its ``text_config``) names under ``mtp_sidecar`` / ``mtp_file`` / ``mtp_weights``."""
+    if config.get("model_type") not in sum(hook().mtp_model_types(), []):
+        return []
+    paths = [model_dir / n for n in SIDECAR_NAMES]
+    for cfg in (config, config.get("text_config") or {}):
+        paths += [model_dir / cfg[k] for k in CONFIG_KEYS if isinstance(cfg.get(k), str)]
+    return paths
 
 
 @hookimpl

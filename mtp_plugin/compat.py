@@ -9,7 +9,7 @@ head was trained with) fits every quantization of the same base model.
 from __future__ import annotations
 
 FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-          "num_experts", "moe_intermediate_size")
+          "num_experts", "n_routed_experts", "moe_intermediate_size", "kv_lora_rank", "q_lora_rank")
 
 
 def text_config(config: dict) -> dict:

@@ -39,8 +39,9 @@ def extract(hf_dir: Path, out: Path, bits: int = 8, group_size: int = 64, force:
     if not location.tensors:
         raise CheckpointError(f"{hf_dir}: no MTP head tensors in any file; extract from the original checkpoint")
     weights, decisions = normalised_head(location)
-    weights = quantize_head(weights, bits, group_size)
-    labels = quantization_labels(weights, hook().mtp_head_in_features(config=location.config) or {})
+    linear = hook().mtp_head_in_features(config=location.config) or {}
+    weights = quantize_head(weights, bits, group_size, linear)
+    labels = quantization_labels(weights, linear)
     contract = Contract.from_metadata({**location.metadata, **location.config})
     write_atomically(Path(out), {f"mtp.{k}": v for k, v in weights.items()}, head_metadata(contract, labels))
     return {"out": str(out), "tensors": len(weights), "bytes": Path(out).stat().st_size, "quantization": labels,

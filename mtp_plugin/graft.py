@@ -50,7 +50,7 @@ def donor_location(donor: Path, model_type: str) -> HeadLocation:
         names, metadata = header
         location = HeadLocation(model_dir=donor.parent, config={"model_type": model_type}, metadata=metadata)
         for name, (shape, dtype) in names.items():
-            canonical = hook().mtp_head_name(name=name, model_type=model_type, sidecar=True)
+            canonical = hook().mtp_head_name(name=name, model_type=model_type, sidecar=True, config=location.config)
             if canonical is not None:
                 location.tensors[canonical] = HeadTensor(canonical, name, donor, tuple(shape), dtype)
     if not location.tensors:

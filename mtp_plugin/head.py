@@ -26,10 +26,14 @@ class MTPHead(nn.Module):
         eps: RMSNorm epsilon of the trunk.
         layer: a full-attention decoder layer ``layer(x, mask, cache) -> x`` of the trunk's class.
         contract: wiring choices (concat order, trunk hidden variant); defaults match Qwen's training.
+        array_mask: the layer's attention takes only a boolean array as its causal mask (DeepSeek's MLA), not
+            the string ``"causal"`` that lets others use the fused kernel's own masking.
     """
 
-    def __init__(self, hidden_size: int, eps: float, layer: nn.Module, contract: Contract | None = None):
+    def __init__(self, hidden_size: int, eps: float, layer: nn.Module, contract: Contract | None = None,
+                 array_mask: bool = False):
         super().__init__()
+        self.array_mask = array_mask
         self.pre_fc_norm_embedding = nn.RMSNorm(hidden_size, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(hidden_size, eps=eps)
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
@@ -54,5 +58,11 @@ class MTPHead(nn.Module):
         pair = [e, h] if self.contract.concat_order == "embedding_first" else [h, e]
         x = self.fc(mx.concatenate(pair, axis=-1))
         if mask is None and x.shape[1] > 1:
-            mask = "causal"  # bottom-right aligned: queries follow the cached keys
+            mask = self._causal(x.shape[1], cache) if self.array_mask else "causal"  # bottom-right aligned
         return self.norm(self.layers[0](x, mask=mask, cache=cache))
+
+    @staticmethod
+    def _causal(length: int, cache) -> mx.array:
+        """(T, offset+T) bool: query i (at position offset+i) sees keys 0..offset+i."""
+        offset = 0 if cache is None else cache.offset
+        return mx.arange(offset, offset + length)[:, None] >= mx.arange(offset + length)[None]

@@ -57,10 +57,13 @@ def normalised_head(location: HeadLocation) -> tuple[dict, dict[str, NormDecisio
     return weights, decisions
 
 
-def quantize_head(weights: dict, bits: int, group_size: int) -> dict:
-    """Affine-quantize every float linear weight of a head with ``mx.quantize`` (router gates at 8 bits).
+def quantize_head(weights: dict, bits: int, group_size: int, linear: dict[str, int]) -> dict:
+    """Affine-quantize every float weight of a head's linear modules with ``mx.quantize`` (router gates at 8 bits).
 
-    Norms and already-quantized weights are kept. ``bits=16`` keeps floats (cast to bfloat16).
+    Args:
+        linear: the head's linear modules (``mtp_head_in_features``); other weights (norms, DeepSeek's router
+            ``mlp.gate``, which is no linear module and stays float as mlx-lm keeps it) and already-quantized
+            ones are kept. ``bits=16`` keeps floats (cast to bfloat16).
 
     Raises:
         ValueError: an input width not divisible by ``group_size``.
@@ -68,7 +71,7 @@ def quantize_head(weights: dict, bits: int, group_size: int) -> dict:
     out = {}
     for name, value in weights.items():
         module = name[: -len(".weight")]
-        if not name.endswith(".weight") or value.ndim < 2 or f"{module}.scales" in weights:
+        if not name.endswith(".weight") or module not in linear or f"{module}.scales" in weights:
             out[name] = value
             continue
         if bits == 16:
@@ -82,10 +85,10 @@ def quantize_head(weights: dict, bits: int, group_size: int) -> dict:
 
 
 def quantization_labels(weights: dict, in_features: dict[str, int]) -> dict[str, str]:
-    """Module → ``int4/g64`` / ``bf16`` label for every linear weight of a head."""
+    """Module → ``int4/g64`` / ``bf16`` label for every linear weight of a head (``in_features``' modules)."""
     labels = {}
     for name, value in weights.items():
-        if not name.endswith(".weight") or value.ndim < 2:
+        if not name.endswith(".weight") or name[: -len(".weight")] not in in_features:
             continue
         module = name[: -len(".weight")]
         scales = weights.get(f"{module}.scales")

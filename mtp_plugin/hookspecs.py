@@ -1,8 +1,9 @@
 """The contract between mtp_plugin and its plugins: one documented hook spec per extension point.
 
-Built-in support (Qwen3.5/3.6/3.8 and Qwen3-Next in ``families/``, the mlx-lm and mlx-vlm adapters)
-implements these hooks exactly as a third-party plugin registered under the ``mtp_plugin`` entry-point
-group would. ``firstresult`` hooks answer "who handles this"; the others collect from every plugin.
+Built-in support (in ``families/``: Qwen3.5/3.6/3.8 and Qwen3-Next, DeepSeek-V3-style next-n heads; the
+mlx-lm and mlx-vlm adapters) implements these hooks exactly as a third-party plugin registered under the
+``mtp_plugin`` entry-point group would; the README's "Writing a family plugin" lists what a family provides.
+``firstresult`` hooks answer "who handles this"; the others collect from every plugin.
 """
 
 from __future__ import annotations
@@ -19,10 +20,15 @@ def mtp_model_types() -> list[str]:
 
 
 @hookspec(firstresult=True)
-def mtp_head_name(name: str, model_type: str, sidecar: bool) -> str | None:
+def mtp_head_name(name: str, model_type: str, sidecar: bool, config: dict | None) -> str | None:
     """Head-relative canonical name (``fc.weight``) of checkpoint tensor ``name``, or None if not a head tensor.
 
-    ``sidecar`` is True for a file holding only the head, where bare names (no prefix) are allowed.
+    Canonical names are those of the built head module (``mtp_build_head``). ``sidecar`` is True for a file
+    holding only the head, where bare names (no prefix) are allowed. ``config`` is the checkpoint's config.json
+    (None when the caller has none: a runtime's ``sanitize`` seen outside a load): a head stored as an extra
+    decoder layer (``model.layers.{num_hidden_layers}.…``, DeepSeek-V3's next-n layer) is recognisable only
+    with it. A copy of a trunk tensor that the head layout duplicates (DeepSeek-V3's ``embed_tokens``,
+    ``shared_head.head``) is a head tensor too, so that the runtime never sees it; ``mtp_sanitize_head`` drops it.
     """
 
 
@@ -43,13 +49,27 @@ def mtp_load_sidecar(path, names: list[str]) -> dict | None:
 
 @hookspec(firstresult=True)
 def mtp_sanitize_head(weights: dict, config: dict) -> dict | None:
-    """Canonical head ``weights`` rearranged to the layout of the built head (e.g. experts stacked), or None."""
+    """Canonical head ``weights`` rearranged to the layout of the built head (e.g. experts stacked, MLA's
+    ``kv_b_proj`` split as the runtime's own ``sanitize`` splits it, duplicated trunk tensors dropped), or None.
+    Must accept weights already in the built layout (a head the plugin wrote) and leave them unchanged."""
 
 
 @hookspec(firstresult=True)
 def mtp_norm_roles(config: dict) -> dict | None:
     """For each head RMSNorm (canonical name), the trunk norms with the same role, named without the stack prefix
     (``norm.weight``: the final norm; ``input_layernorm.weight``: every layer's; see ``conventions.plays_role``)."""
+
+
+@hookspec(firstresult=True)
+def mtp_stored_norm_convention(config: dict, shapes: dict, pytorch: bool) -> tuple[str, str] | None:
+    """How the trunk tensors of one weights file (``shapes``: ``{name: shape}`` from its header; empty for a
+    head-only file) store RMSNorm weights, ``pytorch`` True when the file says it was written by PyTorch
+    (safetensors metadata ``format: pt``, the original checkpoint), as
+    ``(convention, why)``: ``conventions.ZERO_CENTRED`` when the runtime adds 1 at load (Qwen3.5's original
+    Hugging Face layout), ``conventions.ABSOLUTE`` when it uses them as stored (an MLX conversion; DeepSeek-V3 and
+    GLM-4 in every layout). A head stored in that file shares its trunk's convention. None: no evidence (the
+    loader then settles the head's norms by its own predictions). Negative entries, a stronger evidence, are
+    checked by the core first."""
 
 
 @hookspec(firstresult=True)
@@ -64,7 +84,12 @@ def mtp_head_in_features(config: dict) -> dict | None:
 
 @hookspec(firstresult=True)
 def mtp_build_head(model, config: dict):
-    """A float, unloaded ``mlx.nn.Module`` head built from trunk ``model``'s own layer classes, or None."""
+    """A float, unloaded ``mlx.nn.Module`` head built from trunk ``model``'s own layer classes, or None.
+
+    Its parameter names are the canonical names (``mtp_head_name``). ``head.MTPHead`` serves the wiring
+    ``norm(layer(fc(concat[norm(embed(x[t+1])), norm(h[t])])))`` of Qwen3.5 and DeepSeek-V3 alike; pass
+    ``array_mask=True`` when the layer's attention cannot take the string mask ``"causal"`` (DeepSeek's MLA).
+    The head's KV cache is a runtime ``KVCache`` (``mtp_new_caches``), batched by the server adapter."""
 
 
 @hookspec(firstresult=True)
@@ -89,6 +114,15 @@ def mtp_reference_decoders(model_dir, dtype) -> list:
     """Other runtimes' own MTP decoders to compare against on ``model_dir`` (weights cast to ``dtype``, an
     ``mx.Dtype`` or None): each item a ``ReferenceDecoder`` (see ``bench.py``) or a one-line string saying why
     that runtime cannot run it."""
+
+
+@hookspec
+def mtp_capture_points(runtime: str) -> list:
+    """Trunk layers whose caches cannot be trimmed, so that rollback needs capture points inside them (see
+    ``rollback.py``): items ``(model_type, module, layer_class)``, the layer class ``layer_class`` of module
+    ``{runtime}.models.{module}`` for checkpoints of ``model_type``. ``runtime`` is ``"mlx_lm"`` or ``"mlx_vlm"``.
+    A model type listed here decodes with MTP only when its layers got their capture points; a model type whose
+    trunk caches are all trimmable (attention-only: KV caches) lists nothing and is rolled back by trimming."""
 
 
 @hookspec(firstresult=True)

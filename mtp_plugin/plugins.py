@@ -15,7 +15,9 @@ from . import hookspecs
 
 BUILTIN_PLUGINS = (
     "mtp_plugin.checkpoint",
+    "mtp_plugin.trunk",
     "mtp_plugin.families.qwen3_5",
+    "mtp_plugin.families.nextn",
     "mtp_plugin.adapters.mlx_lm",
     "mtp_plugin.adapters.mlx_vlm",
     "mtp_plugin.adapters.mlx_vlm_native",

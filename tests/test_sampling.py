@@ -1,6 +1,6 @@
 """Temperature sampling with MTP draws from exactly the trunk's distribution (exact rejection sampling).
 
-A small-vocabulary float32 model with a random head (so drafts are accepted and rejected often): the
+A small-vocabulary float32 model of each family with a random head (so drafts are accepted and rejected often): the
 empirical distribution of generated tokens 2 and 3 under MTP is compared, by a chi-square
 goodness-of-fit test, with the exact marginals computed from the trunk by enumeration.
 """
@@ -8,6 +8,7 @@ goodness-of-fit test, with the exact marginals computed from the trunk by enumer
 import importlib
 
 import mlx.core as mx
+import nextn_builders
 import numpy as np
 import pytest
 from builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
@@ -20,10 +21,14 @@ PROMPT = [3, 9, 1, 17]
 RUNS = 1500
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    config = config_for("qwen3_5")
-    config["text_config"]["vocab_size"] = VOCAB
+@pytest.fixture(scope="module", params=["qwen3_5", "deepseek_v3"])
+def model(request, tmp_path_factory):
+    """A Qwen3.5 head, and a DeepSeek-V3 next-n head (MLA attention, MoE layer) of the second family."""
+    if request.param == "qwen3_5":
+        config = config_for("qwen3_5")
+        config["text_config"]["vocab_size"] = VOCAB
+    else:
+        config = {**nextn_builders.config_for(request.param), "vocab_size": VOCAB}
     built = build_model(config, seed=3)
     path = save_checkpoint(tmp_path_factory.mktemp("small"), config, trunk_weights(built),
                            build_head(built, config), "mtp.safetensors")

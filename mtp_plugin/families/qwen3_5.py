@@ -8,21 +8,23 @@ The trunk's ``lm_head`` (or tied embedding) turns the head's output into logits.
 
 from __future__ import annotations
 
-import inspect
 import re
 
-import mlx.core as mx
-import mlx.nn as nn
-
-from .. import decoding
+from ..conventions import ABSOLUTE, ZERO_CENTRED
 from ..head import MTPHead
 from ..hookspecs import hookimpl
+from ..trunk import trunk_parts
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 PREFIXES = ("language_model.model.mtp.", "model.language_model.mtp.", "language_model.mtp.", "model.mtp.", "mtp.")
 BARE_ROOTS = ("fc.", "pre_fc_norm_embedding.", "pre_fc_norm_hidden.", "layers.", "norm.")
-SIDECAR_NAMES = ("mtp.safetensors", "mtp/weights.safetensors", "model-mtp.safetensors")
-CONFIG_KEYS = ("mtp_sidecar", "mtp_file", "mtp_weights")
+HF_STACK = "model.language_model."  # the original (Hugging Face) trunk prefix of Qwen3.5-family checkpoints
+LINEAR_ATTENTION = {  # runtime -> model type -> (module under {runtime}.models, its GatedDeltaNet layer class)
+    "mlx_lm": {t: ("qwen3_5", "GatedDeltaNet") for t in MODEL_TYPES if t != "qwen3_next"}
+    | {"qwen3_next": ("qwen3_next", "Qwen3NextGatedDeltaNet")},
+    "mlx_vlm": {t: ("qwen3_5.language", "Qwen3_5GatedDeltaNet") for t in MODEL_TYPES if t != "qwen3_next"}
+    | {"qwen3_next": ("qwen3_next.language", "Qwen3NextGatedDeltaNet")},
+}
 _EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -30,6 +32,12 @@ _EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|d
 def mtp_model_types():
     """The Qwen3.5-family model types."""
     return list(MODEL_TYPES)
+
+
+@hookimpl
+def mtp_capture_points(runtime):
+    """Every Qwen3.5-family trunk has GatedDeltaNet layers, whose recurrent state cannot be trimmed."""
+    return [(t, module, layer) for t, (module, layer) in LINEAR_ATTENTION.get(runtime, {}).items()]
 
 
 @hookimpl
@@ -43,17 +51,6 @@ def mtp_head_name(name, model_type, sidecar):
     if sidecar and name.startswith(BARE_ROOTS):
         return name
     return None
-
-
-@hookimpl
-def mtp_sidecar_paths(model_dir, config):
-    """The sidecar file names seen in the wild, plus a file named by config.json."""
-    if config.get("model_type") not in MODEL_TYPES:
-        return []
-    paths = [model_dir / n for n in SIDECAR_NAMES]
-    for cfg in (config, config.get("text_config") or {}):
-        paths += [model_dir / cfg[k] for k in CONFIG_KEYS if isinstance(cfg.get(k), str)]
-    return paths
 
 
 @hookimpl
@@ -80,16 +77,6 @@ def mtp_sanitize_head(weights, config):
     for (layer, proj), by_index in experts.items():
         out[f"layers.{layer}.mlp.switch_mlp.{proj}.weight"] = mx.stack([by_index[e] for e in sorted(by_index)])
     return out
-
-
-def trunk_parts(model):
-    """``(text_model, args)``: the decoder stack (``embed_tokens``, ``layers``, ``norm``) and its args.
-
-    Works for mlx-lm and mlx-vlm Qwen3.5/Qwen3-Next classes: both nest the stack as
-    ``language_model.model`` (Qwen3.5) or ``model`` (mlx-lm Qwen3-Next).
-    """
-    outer = getattr(model, "language_model", model)
-    return outer.model, getattr(outer, "args", None) or model.args
 
 
 @hookimpl
@@ -124,6 +111,19 @@ def mtp_norm_roles(config):
 
 
 @hookimpl
+def mtp_stored_norm_convention(config, shapes, pytorch):
+    """The original (Hugging Face layout) checkpoint, written by PyTorch, with ``model.language_model.*`` names or
+    conv1d weights (C, 1, K), keeps zero-centred norms (the runtime adds 1); an MLX conversion absolute ones."""
+    if config.get("model_type") not in MODEL_TYPES:
+        return None
+    if pytorch:
+        return ZERO_CENTRED, "the original checkpoint"
+    if any(n.startswith(HF_STACK) or (n.endswith("conv1d.weight") and shape[-1] != 1) for n, shape in shapes.items()):
+        return ZERO_CENTRED, "an original (Hugging Face layout) checkpoint"
+    return ABSOLUTE, "an MLX conversion"
+
+
+@hookimpl
 def mtp_required_tensors(config):
     """Norms, fc and attention; the MLP is checked by loading (dense, per-expert or stacked forms)."""
     if config.get("model_type") not in MODEL_TYPES:
@@ -153,76 +153,3 @@ def mtp_head_in_features(config):
         "layers.0.mlp.switch_mlp.down_proj": text.get("moe_intermediate_size", 0),
         "layers.0.mlp.shared_expert.down_proj": text.get("shared_expert_intermediate_size", 0),
     }
-
-
-class QwenTrunk:
-    """The trunk functions the decoding loop needs, over an mlx-lm or mlx-vlm Qwen3.5 / Qwen3-Next model.
-
-    ``hidden`` returns the decoder stack's output after its final norm (contract ``post_norm``), or
-    before it (``pre_norm``: the final norm is bypassed for the call, so the model must not be used
-    by another thread meanwhile). A decoder stack whose call takes ``position_ids`` (mlx-vlm's
-    Qwen3.5, multimodal RoPE) is given the positions of text tokens explicitly: every one of the three
-    mRoPE axes carries the absolute position (cache offset + i), which is what mlx-vlm's language
-    model computes for text-only input (rope delta 0; Qwen2-VL's ``get_rope_index``).
-    """
-
-    def __init__(self, model, contract):
-        self.text_model, _ = trunk_parts(model)
-        self.lm_head = getattr(getattr(model, "language_model", model), "lm_head", None)
-        self.pre_norm = contract.hidden == "pre_norm"
-        self.mrope = "position_ids" in inspect.signature(self.text_model.__call__).parameters
-
-    def hidden(self, tokens, cache):
-        """(1, S, H) hidden states of tokens (1, S) in the contract's variant, advancing cache."""
-        kwargs = {"position_ids": self.text_positions(cache, tokens.shape[1])} if self.mrope else {}
-        if not self.pre_norm:
-            return self.text_model(tokens, cache=cache, **kwargs)
-        norm = self.text_model.norm
-        self.text_model.norm = nn.Identity()
-        try:
-            return self.text_model(tokens, cache=cache, **kwargs)
-        finally:
-            self.text_model.norm = norm
-
-    def text_positions(self, cache, length):
-        """mRoPE position ids (3, 1, S), int32, of the next S text tokens: offset of the first
-        full-attention layer's KV cache (0 without a cache) + arange(S) on every axis."""
-        offset = 0 if cache is None else next(c.offset for layer, c in zip(self.text_model.layers, cache, strict=True)
-                                              if not layer.is_linear)
-        return mx.broadcast_to(mx.arange(offset, offset + length, dtype=mx.int32), (3, 1, length))
-
-    def embed(self, tokens):
-        """(…, H) input embeddings."""
-        return self.text_model.embed_tokens(tokens)
-
-    def logits(self, hidden):
-        """(…, V) logits through the lm_head, or the tied embedding."""
-        if self.lm_head is None:
-            return self.text_model.embed_tokens.as_linear(hidden)
-        return self.lm_head(hidden)
-
-    def trunk_logits(self, hidden):
-        """(…, V) trunk logits of ``hidden`` output: the final norm first when it was bypassed (``pre_norm``)."""
-        return self.logits(self.text_model.norm(hidden) if self.pre_norm else hidden)
-
-
-def _handled(model, drafting: bool = False) -> bool:
-    """A Qwen3.5-family model with a loaded head (``drafting``: one that is not parked, see ``health.py``)."""
-    loaded = getattr(model, "mtp_head", None)
-    ok = loaded is not None and loaded.location.model_type in MODEL_TYPES
-    return ok and not (drafting and loaded.health.parked)
-
-
-@hookimpl
-def mtp_trunk(model, contract):
-    """A ``QwenTrunk`` for a Qwen3.5-family model with a loaded head."""
-    return QwenTrunk(model, contract) if _handled(model) else None
-
-
-@hookimpl
-def mtp_generate_step(prompt, model, options):
-    """The MTP decoding loop for a Qwen3.5-family model with a loaded head (None, i.e. stock, once it is parked)."""
-    if not _handled(model, drafting=True):
-        return None
-    head = model.mtp_head.module
-    return decoding.generate(prompt, QwenTrunk(model, head.contract), head, health=model.mtp_head.health, **options)

@@ -1,0 +1,177 @@
+"""DeepSeek-V3-style next-n heads (DeepSeek-V3, GLM-4.5 / 4.6 / 4.7 MoE, GLM-4.7-Flash): one extra decoder layer.
+
+Head layout (Hugging Face names; reference: DeepSeek-V3 ``inference/model.py`` and vLLM
+``model_executor/models/deepseek_mtp.py``, ``glm4_moe_mtp.py``): the layer stored after the trunk's last one,
+``model.layers.{num_hidden_layers}.``, holding ``enorm``, ``hnorm``, ``eh_proj`` (2·hidden → hidden, input
+``concat[enorm(embed(x[t+1])), hnorm(h[t])]``), the layer's own ``self_attn`` (GQA for GLM-4 MoE, MLA for
+DeepSeek-V3 and GLM-4.7-Flash), ``mlp`` (MoE or dense, as the trunk's layer at that index would be),
+``input_layernorm``, ``post_attention_layernorm``, and ``shared_head.norm``; ``embed_tokens`` and
+``shared_head.head`` are copies of the trunk's embedding and ``lm_head`` (the trunk's own are used).
+config.json says ``num_nextn_predict_layers``; only the first next-n layer is used.
+
+This wiring is the built ``MTPHead``'s (canonical names: ``enorm`` → ``pre_fc_norm_embedding``, ``hnorm`` →
+``pre_fc_norm_hidden``, ``eh_proj`` → ``fc``, ``shared_head.norm`` → ``norm``, the layer → ``layers.0``), so
+everything past naming and layout is the core's. The trunk is attention-only: its KV caches (MLA's latent
+cache included) are rolled back by trimming, so this family lists no capture points. RMSNorm scales are
+absolute in these checkpoints' modelling code; the loader still reads each file's evidence and settles the
+rest by the head's own predictions.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ..compat import text_config
+from ..conventions import ABSOLUTE
+from ..head import MTPHead
+from ..hookspecs import hookimpl
+from ..trunk import trunk_parts
+
+MODEL_TYPES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+LAYER_PREFIXES = ("model.layers.{n}.", "language_model.model.layers.{n}.", "model.language_model.layers.{n}.")
+OWN_PREFIXES = ("mtp.", "model.mtp.", "language_model.mtp.")  # sidecars the plugin (and others) write
+ROOTS = {  # head-layer name root -> canonical root
+    "enorm.": "pre_fc_norm_embedding.",
+    "hnorm.": "pre_fc_norm_hidden.",
+    "eh_proj.": "fc.",
+    "shared_head.norm.": "norm.",
+    "shared_head.head.": "shared_head.head.",
+    "embed_tokens.": "embed_tokens.",
+    "self_attn.": "layers.0.self_attn.",
+    "mlp.": "layers.0.mlp.",
+    "input_layernorm.": "layers.0.input_layernorm.",
+    "post_attention_layernorm.": "layers.0.post_attention_layernorm.",
+}
+CANONICAL_ROOTS = ("fc.", "pre_fc_norm_embedding.", "pre_fc_norm_hidden.", "layers.0.", "norm.")
+COPIES = ("shared_head.head.", "embed_tokens.")  # trunk tensors the layout duplicates: claimed, then dropped
+
+
+@hookimpl
+def mtp_model_types():
+    """The next-n model types mlx-lm implements."""
+    return list(MODEL_TYPES)
+
+
+def _canonical(rest: str) -> str | None:
+    return next((ROOTS[root] + rest[len(root):] for root in ROOTS if rest.startswith(root)), None)
+
+
+@hookimpl
+def mtp_head_name(name, model_type, sidecar, config):
+    """``model.layers.{N}.…`` (N from ``config``; VLM prefix forms too), canonical names under ``mtp.``, and
+    bare names (either form) inside a sidecar."""
+    if model_type not in MODEL_TYPES:
+        return None
+    if config is not None:
+        n = text_config(config).get("num_hidden_layers")
+        for form in LAYER_PREFIXES:
+            prefix = form.format(n=n)
+            if name.startswith(prefix):
+                return _canonical(name[len(prefix):])
+    for prefix in OWN_PREFIXES:
+        if name.startswith(prefix) and name[len(prefix):].startswith(CANONICAL_ROOTS):
+            return name[len(prefix):]
+    if sidecar:
+        return name if name.startswith(CANONICAL_ROOTS) else _canonical(name)
+    return None
+
+
+def _runtime_sanitize(model_type: str, config: dict, layer: dict) -> dict:
+    """The head layer's tensors (names under ``layers.0.``) through mlx-lm's own ``sanitize`` of ``model_type``,
+    as if they were the trunk's layer 0: experts stacked into ``switch_mlp``, MLA's ``kv_b_proj`` split into
+    ``embed_q`` / ``unembed_out`` (re-quantized as mlx-lm does), FP8 blocks dequantized."""
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    owner = module.Model(module.ModelArgs.from_dict({**text_config(config), "num_hidden_layers": 1}))  # lazy: no
+    out = owner.sanitize({"model." + k: v for k, v in layer.items()})  # weights are allocated
+    return {k[len("model."):]: v for k, v in out.items()}
+
+
+@hookimpl
+def mtp_sanitize_head(weights, config):
+    """Drop the duplicated trunk tensors; put the layer in mlx-lm's layout with mlx-lm's own ``sanitize``."""
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        return None
+    kept = {k: v for k, v in weights.items() if not k.startswith(COPIES)}
+    layer = {k: v for k, v in kept.items() if k.startswith("layers.0.")}
+    if not any(".experts." in k or ".kv_b_proj." in k or k.endswith("_scale_inv") for k in layer):
+        return kept  # already in the built layout
+    rest = {k: v for k, v in kept.items() if k not in layer}
+    return {**rest, **_runtime_sanitize(model_type, config, layer)}
+
+
+@hookimpl
+def mtp_build_head(model, config):
+    """An MTPHead whose layer is a fresh decoder layer of the trunk's own class at index ``num_hidden_layers`` (so
+    MoE or dense as DeepSeek-V3's ``first_k_dense_replace`` / ``moe_layer_freq`` rules place it)."""
+    if config.get("model_type") not in MODEL_TYPES or not hasattr(getattr(model, "model", None), "layers"):
+        return None
+    text_model, args = trunk_parts(model)
+    layer = type(text_model.layers[0])(args, args.num_hidden_layers)
+    return MTPHead(args.hidden_size, args.rms_norm_eps, layer, array_mask=hasattr(layer.self_attn, "embed_q"))
+
+
+def _attention_norms(text: dict) -> list[str]:
+    if "kv_lora_rank" in text:  # MLA
+        query = ["self_attn.q_a_layernorm.weight"] if text.get("q_lora_rank") else []
+        return [*query, "self_attn.kv_a_layernorm.weight"]
+    return ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if text.get("use_qk_norm") else []
+
+
+@hookimpl
+def mtp_norm_roles(config):
+    """enorm sees raw embeddings as the first layer's input norm does; hnorm and shared_head.norm play the final
+    norm's role; the layer's own norms those of every trunk layer."""
+    if config.get("model_type") not in MODEL_TYPES:
+        return None
+    roles = {
+        "pre_fc_norm_embedding.weight": "layers.0.input_layernorm.weight",
+        "pre_fc_norm_hidden.weight": "norm.weight",
+        "norm.weight": "norm.weight",
+        "layers.0.input_layernorm.weight": "input_layernorm.weight",
+        "layers.0.post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    }
+    return roles | {f"layers.0.{n}": n for n in _attention_norms(text_config(config))}
+
+
+@hookimpl
+def mtp_stored_norm_convention(config, shapes, pytorch):
+    """The modelling code of these model types (DeepSeek-V3's reference and mlx-lm's) uses RMSNorm weights as
+    stored, in the original layout and in conversions alike."""
+    if config.get("model_type") not in MODEL_TYPES:
+        return None
+    return ABSOLUTE, "a DeepSeek-V3-style checkpoint (absolute RMSNorm scales in every layout)"
+
+
+@hookimpl
+def mtp_required_tensors(config):
+    """Norms, eh_proj and the attention projections every layout keeps (MLA's ``kv_b_proj`` may be split)."""
+    if config.get("model_type") not in MODEL_TYPES:
+        return None
+    text = text_config(config)
+    names = ["kv_a_proj_with_mqa", "o_proj"] if "kv_lora_rank" in text else ["q_proj", "k_proj", "v_proj", "o_proj"]
+    return ["fc.weight", *mtp_norm_roles(config), *(f"layers.0.self_attn.{n}.weight" for n in names)]
+
+
+@hookimpl
+def mtp_head_in_features(config):
+    """Input widths from the config: GQA or MLA attention, dense MLP, routed and shared experts."""
+    if config.get("model_type") not in MODEL_TYPES:
+        return None
+    text = config | text_config(config)
+    hidden, heads = text["hidden_size"], text["num_attention_heads"]
+    moe, shared = text.get("moe_intermediate_size", 0), text.get("n_shared_experts") or 0
+    if "kv_lora_rank" in text:
+        attention = {"q_proj": hidden, "q_a_proj": hidden, "q_b_proj": text.get("q_lora_rank") or 0,
+                     "kv_a_proj_with_mqa": hidden, "kv_b_proj": text["kv_lora_rank"],
+                     "embed_q": text["qk_nope_head_dim"], "unembed_out": text["kv_lora_rank"],
+                     "o_proj": heads * text["v_head_dim"]}
+    else:
+        head_dim = text.get("head_dim") or hidden // heads
+        attention = {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "o_proj": heads * head_dim}
+    mlp = {"gate_proj": hidden, "up_proj": hidden, "down_proj": text.get("intermediate_size", 0),
+           "switch_mlp.gate_proj": hidden, "switch_mlp.up_proj": hidden, "switch_mlp.down_proj": moe,
+           "shared_experts.gate_proj": hidden, "shared_experts.up_proj": hidden,
+           "shared_experts.down_proj": moe * shared}
+    return {"fc": 2 * hidden, **{f"layers.0.self_attn.{k}": v for k, v in attention.items()},
+            **{f"layers.0.mlp.{k}": v for k, v in mlp.items()}}
