@@ -226,17 +226,22 @@ class _SetCLI(argparse.Action):
         CLI[self.dest] = value
 
 
+def add_mtp_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--mtp-depth N`` and ``--no-mtp`` to a runtime's parser; parsing them sets ``CLI``."""
+    parser.add_argument("--mtp-depth", dest="depth", type=int, default=0, action=_SetCLI, metavar="N",
+                        choices=range(MAX_DEPTH + 1),
+                        help=f"MTP draft depth 1-{MAX_DEPTH} (0: adaptive). Needs a checkpoint with an MTP head.")
+    parser.add_argument("--no-mtp", dest="enabled", action=_SetCLI, nargs=0, const=False, default=True,
+                        help="Decode without the MTP head even if the checkpoint has one.")
+
+
 def add_cli_flags(setup_arg_parser):
     """Wrap ``setup_arg_parser``: add ``--mtp-depth`` and ``--no-mtp`` (they set ``CLI``)."""
 
     @functools.wraps(setup_arg_parser)
     def wrapper(*args, **kwargs):
         parser = setup_arg_parser(*args, **kwargs)
-        parser.add_argument("--mtp-depth", dest="depth", type=int, default=0, action=_SetCLI, metavar="N",
-                            choices=range(MAX_DEPTH + 1),
-                            help=f"MTP draft depth 1-{MAX_DEPTH} (0: adaptive). Needs a checkpoint with an MTP head.")
-        parser.add_argument("--no-mtp", dest="enabled", action=_SetCLI, nargs=0, const=False, default=True,
-                            help="Decode without the MTP head even if the checkpoint has one.")
+        add_mtp_arguments(parser)
         return parser
 
     return wrapper

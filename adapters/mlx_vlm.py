@@ -17,7 +17,7 @@ from pathlib import Path
 from mtp_plugin.hookspecs import hookimpl
 
 from . import capture
-from .mlx_vlm_decoding import mtp_generate_step, print_summary
+from .mlx_vlm_decoding import cli_argparse, mtp_generate_step, print_summary
 from .patching import Patches, claiming, version_in_range, wrap_sanitizers
 
 TESTED = ("0.6.5", "0.8")
@@ -67,6 +67,7 @@ def _patch_decoding():
         _patches.wrap(module, "generate_step", step)
     for module in (dispatch, package, mlx_vlm):
         _patches.wrap(module, "generate", print_summary)
+    _patches.wrap(dispatch, "argparse", cli_argparse)
 
 
 @hookimpl

@@ -10,6 +10,8 @@
   prompt-cache checkpoints, a rotating or quantized KV cache (``max_kv_size``, ``kv_bits``, ``kv_key_bits``,
   ``kv_value_bits``; with one warning), batches, and on mlx-vlm 0.6 a prompt continuing a non-empty cache.
 * ``generate`` is wrapped to print the MTP line of the generation after mlx-vlm's figures (``verbose``).
+* ``python -m mlx_vlm generate`` gains ``--mtp-depth N`` and ``--no-mtp`` (``cli_argparse``), which set the
+  defaults of ``mtp_depth`` / ``enable_mtp`` as they do for mlx-lm (``mlx_lm_decoding.CLI``).
 
 mlx-vlm's own Qwen3.5 MTP drafter runs only when asked for (``--draft-model DIR --draft-kind mtp``) and
 reads only ``mtp.*`` tensors of the directory's top-level ``*.safetensors`` (read in 0.7.10's splitter);
@@ -18,9 +20,11 @@ without it, every head form our loader keeps on ``model.mtp_head`` decodes with 
 
 from __future__ import annotations
 
+import argparse
 import functools
 import inspect
 import logging
+import types
 
 import mlx.core as mx
 
@@ -29,7 +33,7 @@ from mtp_plugin.stats import MTPStats
 from mtp_plugin.tuning import depth_policy
 
 from .capture import rollback_ready
-from .mlx_lm_decoding import announce
+from .mlx_lm_decoding import CLI, add_mtp_arguments, announce
 from .patching import release
 
 log = logging.getLogger("mtp_plugin")
@@ -172,13 +176,16 @@ def mtp_generate_step(generate_step, ar, captured: dict[str, bool]):
     """Wrap mlx-vlm's ``generate_step(input_ids, model, pixel_values, mask, **kwargs)``: MTP for a text
     prompt to a model with a loaded head whose trunk can be rolled back (``capture.rollback_ready``).
 
-    Added keywords: ``enable_mtp`` (False: stock decoding) and ``mtp_depth`` (draft depth 1-8; None: adaptive).
+    Added keywords: ``enable_mtp`` (False: stock decoding) and ``mtp_depth`` (draft depth 1-8; None: adaptive);
+    when not given, the command line's ``--no-mtp`` / ``--mtp-depth`` (``CLI``) decide.
     """
     signature = inspect.signature(generate_step)
     var_keyword = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
 
     @functools.wraps(generate_step)
-    def wrapper(input_ids, model, pixel_values, mask, *, mtp_depth=None, enable_mtp=True, **kwargs):
+    def wrapper(input_ids, model, pixel_values, mask, *, mtp_depth=None, enable_mtp=None, **kwargs):
+        enable_mtp = CLI["enabled"] if enable_mtp is None else enable_mtp
+        mtp_depth = (CLI["depth"] or None) if mtp_depth is None else mtp_depth
         loaded = getattr(model, "mtp_head", None)
         model_type = loaded.location.model_type if loaded is not None else None
         if loaded is not None:
@@ -199,6 +206,21 @@ def mtp_generate_step(generate_step, ar, captured: dict[str, bool]):
         return generate_step(input_ids, model, pixel_values, mask, **kwargs)
 
     return wrapper
+
+
+class _ParserWithMTPFlags(argparse.ArgumentParser):
+    """An ``argparse.ArgumentParser`` that carries ``--mtp-depth`` / ``--no-mtp`` from its construction."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        add_mtp_arguments(self)
+
+
+def cli_argparse(module):
+    """The ``argparse`` module as mlx-vlm's generate CLI (``generate/dispatch.py``) sees it: the same module, but
+    its ``ArgumentParser`` carries the MTP flags. mlx-vlm builds and parses its parser inside one function
+    (``parse_arguments``), so the flags join it as it is built; nothing of mlx-vlm's parser is copied."""
+    return types.SimpleNamespace(**{**vars(module), "ArgumentParser": _ParserWithMTPFlags})
 
 
 def print_summary(generate):

@@ -213,20 +213,43 @@ def test_trained_checkpoint_generate(trained, capsys):
     assert "MTP on: head from" in out.err and "\nMTP: depth=auto drafted=" in out.out
 
 
-@pytest.mark.skipif(release("mlx-vlm") < (0, 7),
-                    reason="the mlx-vlm 0.6 CLI loads strictly: no checkpoint without vision weights")
-def test_cli_decodes_with_mtp():
-    """The post-import hook (installed .pth) patches the real ``python -m mlx_vlm generate``; the text is
-    the one stock mlx-vlm prints (``MTP_PLUGIN_DISABLE=1``)."""
-    command = [sys.executable, "-m", "mlx_vlm", "generate", "--model", str(TINY / "mlx-4bit"),
-               "--prompt", TRAINED_PROMPT, "--max-tokens", "24", "--temperature", "0", "--verbose"]
-    runs = [subprocess.run(command, capture_output=True, text=True, timeout=300, check=True,
-                           env={**os.environ, "MTP_PLUGIN_DISABLE": disable}) for disable in ("0", "1")]
-    mtp, stock = runs
-    assert "MTP on: head from mtp.safetensors" in mtp.stderr and "MTP" not in stock.stderr + stock.stdout
-    summary = next(line for line in mtp.stdout.splitlines() if line.startswith("MTP: depth=auto"))
-    assert float(summary.split("acceptance=")[1].split()[0]) > 0
-    assert mtp.stdout.split("==========")[1] == stock.stdout.split("==========")[1]  # prompt and generated text
+CLI = [sys.executable, "-m", "mlx_vlm", "generate", "--model", str(TINY / "mlx-4bit"), "--prompt", TRAINED_PROMPT,
+       "--max-tokens", "24", "--temperature", "0", "--verbose"]
+NEW_CLI = pytest.mark.skipif(release("mlx-vlm") < (0, 7),
+                             reason="the mlx-vlm 0.6 CLI loads strictly: no checkpoint without vision weights")
+
+
+def run_cli(*flags: str, disable: str = "0") -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *flags], capture_output=True, text=True, timeout=300, check=True,
+                          env={**os.environ, "MTP_PLUGIN_DISABLE": disable})
+
+
+@pytest.fixture(scope="module")
+def stock_cli():
+    """What stock ``python -m mlx_vlm generate`` prints (``MTP_PLUGIN_DISABLE=1``)."""
+    return run_cli(disable="1")
+
+
+@NEW_CLI
+@pytest.mark.parametrize("flags,depth", [((), "auto"), (("--mtp-depth", "2"), "2"), (("--no-mtp",), None)])
+def test_cli_decodes_with_mtp(stock_cli, flags, depth):
+    """The post-import hook (installed .pth) patches the real ``python -m mlx_vlm generate``, which gains
+    ``--mtp-depth`` and ``--no-mtp``; the text is the one stock mlx-vlm prints."""
+    mtp = run_cli(*flags)
+    assert "MTP" not in stock_cli.stderr + stock_cli.stdout
+    if depth is None:
+        assert "MTP" not in mtp.stderr + mtp.stdout
+    else:
+        assert "MTP on: head from mtp.safetensors" in mtp.stderr
+        summary = next(line for line in mtp.stdout.splitlines() if line.startswith(f"MTP: depth={depth} "))
+        assert float(summary.split("acceptance=")[1].split()[0]) > 0
+    assert mtp.stdout.split("==========")[1] == stock_cli.stdout.split("==========")[1]  # prompt and generated text
+
+
+def test_cli_help_lists_the_mtp_flags():
+    """On every mlx-vlm version, its own parser (built inside ``parse_arguments``) carries the flags."""
+    out = subprocess.run([*CLI[:4], "--help"], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "--mtp-depth N" in out and "--no-mtp" in out
 
 
 PREFILL_BAR = re.compile(r"Prefill:\s+\d+%\|[^|]*\| (\d+)/(\d+) ")
