@@ -92,21 +92,26 @@ class HeadLocation:
 
     @property
     def declared_layers(self) -> int:
-        """``mtp_num_hidden_layers`` as config.json declares it (top level or ``text_config``), else 0.
+        """MTP layers as config.json declares them (``declared_key``), else 0.
 
         Raises:
             CheckpointError: a value that is not a non-negative integer; the message names config.json and the key.
         """
-        for cfg in (self.config, self.config.get("text_config") or {}):
-            for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
-                value = cfg.get(key)
-                if value is None or value == 0:
-                    continue
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise CheckpointError(f"{self.model_dir / 'config.json'}: {key}={value!r} is not a number of "
-                                          "layers; set it to an integer (1 for a one-layer MTP head)")
-                return value
-        return 0
+        key = self.declared_key
+        if key is None:
+            return 0
+        value = next(cfg[key] for cfg in (self.config, self.config.get("text_config") or {}) if cfg.get(key))
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(f"{self.model_dir / 'config.json'}: {key}={value!r} is not a number of "
+                                  "layers; set it to an integer (1 for a one-layer MTP head)")
+        return value
+
+    @property
+    def declared_key(self) -> str | None:
+        """The config.json key (top level or ``text_config``) that declares MTP layers, with a value other than 0:
+        ``mtp_num_hidden_layers`` (Qwen3.5) or ``num_nextn_predict_layers`` (DeepSeek-V3); None when neither."""
+        return next((key for cfg in (self.config, self.config.get("text_config") or {})
+                     for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers") if cfg.get(key)), None)
 
     @property
     def files(self) -> list[Path]:

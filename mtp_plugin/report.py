@@ -67,7 +67,7 @@ def inspect_dir(model_dir: Path) -> dict:
     problems += validated
     if not location.tensors and not problems:
         if declared:
-            problems.append(f"config.json declares mtp_num_hidden_layers={declared} but no head "
+            problems.append(f"config.json declares {location.declared_key}={declared} but no head "
                             "tensor is present in any file: the converter dropped it; graft one with "
                             "`mtp-plugin graft`")
         else:

@@ -155,5 +155,8 @@ def validate(location: HeadLocation) -> tuple[list[str], dict | None, dict]:
     problems = metadata_problems(location)
     if problems or not location.tensors:
         return problems, None, {}
-    weights, decisions = normalised_head(location)
+    try:
+        weights, decisions = normalised_head(location)
+    except CheckpointError as e:  # the family could not put the head in the built layout (a tensor is missing)
+        return [f"{', '.join(map(str, location.files))}: {e}"], None, {}
     return tensor_problems(location, weights), weights, decisions

@@ -233,3 +233,32 @@ def test_head_names(stored, canonical):
     config = {"model_type": "deepseek_v3", "num_hidden_layers": 2 if "@" not in stored else 5}
     name = stored.split("@")[0]
     assert hook().mtp_head_name(name=name, model_type="deepseek_v3", sidecar=False, config=config) == canonical
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_head_missing_an_expert_is_refused_cleanly(tmp_path, kind, caplog, capsys):
+    """A Hugging Face layout head layer without one of its experts: mlx-lm's own sanitize cannot stack it. The head
+    is refused with the tensor named, the trunk loads as without it, and ``inspect`` says why."""
+    from mtp_plugin.cli import main
+
+    path, _ = save_hf(tmp_path / "hf", kind)
+    plain = save_mlx(tmp_path / "mlx", kind, "sidecar")[0]
+    weights = {k: v for k, v in mx.load(str(path / "model.safetensors")).items()
+               if f"layers.{LAYERS}.mlp.experts.3." not in k}
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    model = load_model(path)[0]
+    assert model.mtp_head is None
+    assert "layers.0.mlp.experts.3." in caplog.text and "MTP head ignored" in caplog.text
+    np.testing.assert_array_equal(logits(model), logits(load_model(plain)[0]))
+    capsys.readouterr()
+    assert main(["inspect", str(path), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["can_run"] and "experts.3." in report["problems"][0]
+
+
+def test_inspect_names_the_declaring_key(tmp_path, capsys):
+    from mtp_plugin.cli import main
+
+    plain = save_mlx(tmp_path, "glm4_moe", "sidecar")[0]
+    assert main(["inspect", str(plain), "--json"]) == 1
+    assert "declares num_nextn_predict_layers=1 but no head" in json.loads(capsys.readouterr().out)["problems"][0]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 
+from ..checkpoint import CheckpointError
 from ..compat import text_config
 from ..conventions import ABSOLUTE
 from ..head import MTPHead
@@ -79,10 +80,19 @@ def mtp_head_name(name, model_type, sidecar, config):
 def _runtime_sanitize(model_type: str, config: dict, layer: dict) -> dict:
     """The head layer's tensors (names under ``layers.0.``) through mlx-lm's own ``sanitize`` of ``model_type``,
     as if they were the trunk's layer 0: experts stacked into ``switch_mlp``, MLA's ``kv_b_proj`` split into
-    ``embed_q`` / ``unembed_out`` (re-quantized as mlx-lm does), FP8 blocks dequantized."""
+    ``embed_q`` / ``unembed_out`` (re-quantized as mlx-lm does), FP8 blocks dequantized.
+
+    Raises:
+        CheckpointError: a tensor that layout needs is missing (an expert of the layer); the message names it.
+    """
     module = importlib.import_module(f"mlx_lm.models.{model_type}")
     owner = module.Model(module.ModelArgs.from_dict({**text_config(config), "num_hidden_layers": 1}))  # lazy: no
-    out = owner.sanitize({"model." + k: v for k, v in layer.items()})  # weights are allocated
+    try:  # weights are allocated
+        out = owner.sanitize({"model." + k: v for k, v in layer.items()})
+    except KeyError as e:  # it pops every expert of a layer that has one
+        missing = str(e.args[0])[len("model."):] if e.args else "a tensor"
+        raise CheckpointError(f"head incomplete: {missing} is missing (mlx-lm's {model_type} layout needs every "
+                              "expert of the layer); restore it from the original checkpoint") from None
     return {k[len("model."):]: v for k, v in out.items()}
 
 
