@@ -86,6 +86,18 @@ def _patch_decoding():
 
 
 @hookimpl
+def mtp_layer_sanitize(model_type, config, weights):
+    """mlx-lm's ``sanitize`` of ``model_type`` on a one-layer model of that class (built lazily: no weights are
+    allocated); None when mlx-lm has no such model type."""
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    except ImportError:
+        return None
+    text = config.get("text_config") or config
+    return module.Model(module.ModelArgs.from_dict({**text, "num_hidden_layers": 1})).sanitize(dict(weights))
+
+
+@hookimpl
 def mtp_load_model(model_dir):
     """``mlx_lm.load`` (patched, so the head is attached)."""
     from mlx_lm import load

@@ -83,6 +83,13 @@ def mtp_head_in_features(config: dict) -> dict | None:
 
 
 @hookspec(firstresult=True)
+def mtp_layer_sanitize(model_type: str, config: dict, weights: dict) -> dict | None:
+    """One decoder layer's ``weights`` (names under ``model.layers.0.``) in the runtime's layout, by the runtime's own
+    ``sanitize`` of ``model_type`` (experts stacked, MLA's ``kv_b_proj`` split, FP8 blocks dequantized); None when no
+    installed runtime has that model type. Raises ``KeyError`` where that ``sanitize`` misses a tensor it needs."""
+
+
+@hookspec(firstresult=True)
 def mtp_build_head(model, config: dict):
     """A float, unloaded ``mlx.nn.Module`` head built from trunk ``model``'s own layer classes, or None.
 

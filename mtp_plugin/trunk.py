@@ -73,7 +73,6 @@ class StackTrunk:
         return self.logits(self.text_model.norm(hidden) if self.pre_norm else hidden)
 
 
-
 def _loaded(model, drafting: bool = False):
     """``model``'s loaded head (``loader.LoadedHead``), or None; with ``drafting``, None too once it is parked."""
     loaded = getattr(model, "mtp_head", None)

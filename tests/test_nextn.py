@@ -216,23 +216,22 @@ def test_verify_tune_bench(tmp_path, monkeypatch, capsys):
     assert all(isinstance(r, str) or r["candidates"] for r in report["references"])
 
 
-@pytest.mark.parametrize("stored,canonical", [
-    ("model.layers.2.eh_proj.weight", "fc.weight"),
-    ("language_model.model.layers.2.enorm.weight", "pre_fc_norm_embedding.weight"),
-    ("model.language_model.layers.2.self_attn.o_proj.scales", "layers.0.self_attn.o_proj.scales"),
-    ("model.layers.2.shared_head.norm.weight", "norm.weight"),
-    ("model.layers.2.shared_head.head.weight", "shared_head.head.weight"),  # claimed, then dropped
-    ("mtp.layers.0.mlp.switch_mlp.up_proj.weight", "layers.0.mlp.switch_mlp.up_proj.weight"),
-    ("model.layers.1.eh_proj.weight", None),  # a trunk layer
-    ("model.layers.2.eh_proj.weight@other-depth", None),
+@pytest.mark.parametrize("stored,layers,canonical", [
+    ("model.layers.2.eh_proj.weight", 2, "fc.weight"),
+    ("language_model.model.layers.2.enorm.weight", 2, "pre_fc_norm_embedding.weight"),
+    ("model.language_model.layers.2.self_attn.o_proj.scales", 2, "layers.0.self_attn.o_proj.scales"),
+    ("model.layers.2.shared_head.norm.weight", 2, "norm.weight"),
+    ("model.layers.2.shared_head.head.weight", 2, "shared_head.head.weight"),  # claimed, then dropped
+    ("mtp.layers.0.mlp.switch_mlp.up_proj.weight", 2, "layers.0.mlp.switch_mlp.up_proj.weight"),
+    ("model.layers.1.eh_proj.weight", 2, None),  # a trunk layer
+    ("model.layers.2.eh_proj.weight", 5, None),  # a trunk layer of a deeper model
 ])
-def test_head_names(stored, canonical):
+def test_head_names(stored, layers, canonical):
     """The layer index form with the prefixes a VLM conversion adds, and the plugin's own sidecar names."""
     from mtp_plugin.plugins import hook
 
-    config = {"model_type": "deepseek_v3", "num_hidden_layers": 2 if "@" not in stored else 5}
-    name = stored.split("@")[0]
-    assert hook().mtp_head_name(name=name, model_type="deepseek_v3", sidecar=False, config=config) == canonical
+    config = {"model_type": "deepseek_v3", "num_hidden_layers": layers}
+    assert hook().mtp_head_name(name=stored, model_type="deepseek_v3", sidecar=False, config=config) == canonical
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -19,13 +19,12 @@ rest by the head's own predictions.
 
 from __future__ import annotations
 
-import importlib
-
 from ..checkpoint import CheckpointError
 from ..compat import text_config
 from ..conventions import ABSOLUTE
 from ..head import MTPHead
 from ..hookspecs import hookimpl
+from ..plugins import hook
 from ..trunk import trunk_parts
 
 MODEL_TYPES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
@@ -78,21 +77,24 @@ def mtp_head_name(name, model_type, sidecar, config):
 
 
 def _runtime_sanitize(model_type: str, config: dict, layer: dict) -> dict:
-    """The head layer's tensors (names under ``layers.0.``) through mlx-lm's own ``sanitize`` of ``model_type``,
-    as if they were the trunk's layer 0: experts stacked into ``switch_mlp``, MLA's ``kv_b_proj`` split into
-    ``embed_q`` / ``unembed_out`` (re-quantized as mlx-lm does), FP8 blocks dequantized.
+    """The head layer's tensors (names under ``layers.0.``) in the runtime's layout, as if they were the trunk's
+    layer 0 (``mtp_layer_sanitize``: experts stacked into ``switch_mlp``, MLA's ``kv_b_proj`` split into
+    ``embed_q`` / ``unembed_out``, FP8 blocks dequantized).
 
     Raises:
-        CheckpointError: a tensor that layout needs is missing (an expert of the layer); the message names it.
+        CheckpointError: a tensor that layout needs is missing (an expert of the layer), or no runtime has the
+            model type; the message names it.
     """
-    module = importlib.import_module(f"mlx_lm.models.{model_type}")
-    owner = module.Model(module.ModelArgs.from_dict({**text_config(config), "num_hidden_layers": 1}))  # lazy: no
-    try:  # weights are allocated
-        out = owner.sanitize({"model." + k: v for k, v in layer.items()})
-    except KeyError as e:  # it pops every expert of a layer that has one
+    try:
+        out = hook().mtp_layer_sanitize(model_type=model_type, config=config,
+                                        weights={"model." + k: v for k, v in layer.items()})
+    except KeyError as e:  # the runtime pops every expert of a layer that has one
         missing = str(e.args[0])[len("model."):] if e.args else "a tensor"
-        raise CheckpointError(f"head incomplete: {missing} is missing (mlx-lm's {model_type} layout needs every "
-                              "expert of the layer); restore it from the original checkpoint") from None
+        raise CheckpointError(f"head incomplete: {missing} is missing (the runtime's {model_type} layout needs "
+                              "every expert of the layer); restore it from the original checkpoint") from None
+    if out is None:
+        raise CheckpointError(f"no installed runtime implements {model_type!r}, whose head layer needs its "
+                              "runtime's layout; install mlx-lm")
     return {k[len("model."):]: v for k, v in out.items()}
 
 
