@@ -107,11 +107,12 @@ class BatchContext:
         keep = min(fed, last)
         if keep:
             row.drafter.cache.update_and_fetch(cache.keys[..., :keep, :], cache.values[..., :keep, :])
+        row.drafter.committed = keep
         if last < fed or hidden is None:  # the last position's hidden state is gone: one pair will be missing
             return
         if last > fed:
-            row.drafter.feed(hidden[:, : last - fed], following[: last - fed])
-        row.carry, row.whole = hidden[:, last - fed : last - fed + 1], True
+            row.drafter.feed(hidden[:, : last - fed], following[: last - fed], fed)
+        row.carry, row.whole, row.drafter.committed = hidden[:, last - fed : last - fed + 1], True, last
 
     def policy(self, rows: int) -> DepthController:
         """The depth policy of batches of ``rows`` rows (1, 2-3, 4-7, 8-15, …). A single row starts at the tuned

@@ -1,14 +1,17 @@
-"""mlx-vlm adapter, decoding side: text prompts decode through the MTP loop.
+"""mlx-vlm adapter, decoding side: text, image and video prompts decode through the MTP loop.
 
 * ``generate_step`` (mlx-vlm's per-token step, behind ``generate``, ``stream_generate`` and the
-  ``mlx_vlm.generate`` CLI) is wrapped: a model with a loaded head, given a text-only prompt and greedy
-  decoding, decodes through ``mtp_generate_step`` (also on a reused prompt cache whose mRoPE positions
-  are those of plain text). Anything else stays stock: images or other media (``pixel_values``, or any
-  other array the step passes on to the model), ``enable_mtp=False``,
-  a drafter passed as ``draft_model`` (mlx-vlm's own speculative loop, e.g. its native Qwen3.5 MTP
-  drafter, runs as asked), sampling (temperature > 0 or a custom sampler), thinking budgets,
-  prompt-cache checkpoints, a rotating or quantized KV cache (``max_kv_size``, ``kv_bits``, ``kv_key_bits``,
-  ``kv_value_bits``; with one warning), batches, and on mlx-vlm 0.6 a prompt continuing a non-empty cache.
+  ``mlx_vlm.generate`` CLI) is wrapped: a model with a loaded head decodes through ``mtp_generate_step``.
+  The prompt pass is mlx-vlm's own (``prompt_inputs``: its ``get_input_embeddings`` merges the media
+  features and derives the multimodal positions; the trunk runs its language model with them), and the head
+  sees the same positions (``trunk.PromptInputs``). Sampling (temperature, top-p, top-k, min-p, top-nσ,
+  p-less, typical-p, penalties) is exact rejection sampling against the distribution of the sampler
+  ``generate_step`` would build (``mlx_vlm_sampling``). Anything else stays stock: media on a model whose
+  trunk takes no multimodal positions, ``enable_mtp=False``, a drafter passed as ``draft_model`` (mlx-vlm's
+  own speculative loop, e.g. its native Qwen3.5 MTP drafter, runs as asked), a custom ``sampler``, thinking
+  budgets, prompt-cache checkpoints, a rotating or quantized KV cache (``max_kv_size``, ``kv_bits``,
+  ``kv_key_bits``, ``kv_value_bits``), batches, and on mlx-vlm 0.6 a prompt continuing a non-empty cache (a
+  custom sampler and the KV caches with one warning).
 * ``generate`` is wrapped to print the MTP line of the generation after mlx-vlm's figures (``verbose``).
 * ``python -m mlx_vlm generate`` gains ``--mtp-depth N`` and ``--no-mtp`` (``cli_argparse``), which set the
   defaults of ``mtp_depth`` / ``enable_mtp`` as they do for mlx-lm (``mlx_lm_decoding.CLI``).
@@ -28,12 +31,15 @@ import types
 
 import mlx.core as mx
 
+from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
-from mtp_plugin.tuning import depth_policy
+from mtp_plugin.trunk import PromptInputs, multimodal
+from mtp_plugin.tuning import depth_policy, start_depth
 
 from .capture import rollback_ready
 from .mlx_lm_decoding import CLI, add_mtp_arguments, announce
+from .mlx_vlm_sampling import sampling
 from .patching import release
 
 log = logging.getLogger("mtp_plugin")
@@ -44,28 +50,18 @@ CHUNKS_EVERY_PROMPT = release("mlx-vlm") >= (0, 7, 0)
 # Prompt tokens continuing a non-empty prompt cache: mlx-vlm 0.7 gives them the continuing mRoPE positions;
 # 0.6 restarts them at 0 (the suffix's own positions override the caller's), which MTP does not reproduce.
 CONTINUES_CACHED_POSITIONS = release("mlx-vlm") >= (0, 7, 0)
+# Prompt-pass keywords: mlx-vlm 0.7 lets the caller's position metadata (a reused cache's, for the whole prompt)
+# override what ``get_input_embeddings`` derives from the uncached suffix; 0.6 lets the derived ones win.
+CALLER_POSITIONS_WIN = release("mlx-vlm") >= (0, 7, 0)
 # Options that decode stock, with the warning given once per process.
 WARNINGS = {
-    "sampling": "mlx-vlm sampling (temperature > 0 or a custom sampler) decodes without MTP.",
+    "sampler": "a custom sampler passed to mlx-vlm has no known distribution; decoding without MTP.",
     "kv cache": "mlx-vlm's rotating or quantized KV cache (max_kv_size, kv_bits, kv_key_bits, kv_value_bits) "
                 "decodes without MTP.",
 }
 KV_CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_key_bits", "kv_value_bits")
-POSITION_KWARGS = ("position_ids", "rope_deltas")  # passed on when a reused prompt cache primed mRoPE state
+POSITION_KWARGS = ("position_ids", "rope_deltas")  # a reused prompt cache's mRoPE metadata: no media
 _warned: set[str] = set()
-
-
-def _text_positions(extra: dict) -> bool:
-    """Whether explicit mRoPE metadata is that of plain text: positions 0..L-1 on every axis, rope delta 0.
-
-    Then the trunk's own text positions (cache offset + i) are exactly the ones plain decoding uses.
-    """
-    positions, deltas = extra.get("position_ids"), extra.get("rope_deltas")
-    if positions is not None:
-        expected = mx.broadcast_to(mx.arange(positions.shape[-1]), positions.shape)
-        if not mx.array_equal(positions, expected).item():
-            return False
-    return deltas is None or not mx.any(deltas).item()
 
 
 def _model_inputs(extra: dict) -> set[str]:
@@ -75,9 +71,10 @@ def _model_inputs(extra: dict) -> set[str]:
             if isinstance(v, mx.array) or (isinstance(v, list | tuple) and any(isinstance(x, mx.array) for x in v))}
 
 
-def _stock_reason(args: dict, extra: dict, temperature: float) -> str | None:
+def _stock_reason(model, args: dict, extra: dict) -> str | None:
     """Why these ``generate_step`` arguments must decode stock, or None when the MTP loop reproduces them."""
-    if args["pixel_values"] is not None or _model_inputs(extra) - set(POSITION_KWARGS) or not _text_positions(extra):
+    media = args["pixel_values"] is not None or _model_inputs(extra) - set(POSITION_KWARGS)
+    if media and not multimodal(model):
         return "media"
     if args["input_ids"].ndim != 2 or args["input_ids"].shape[0] != 1 or args["input_ids"].size == 0:
         return "batch"
@@ -90,21 +87,32 @@ def _stock_reason(args: dict, extra: dict, temperature: float) -> str | None:
         return "checkpoint"
     if extra.get("thinking_budget_criteria") is not None:
         return "thinking budget"  # forces tokens into the plain loop
-    if args.get("sampler") is not None or temperature != 0:
-        return "sampling"
+    if args.get("sampler") is not None:
+        return "sampler"
     if any(args.get(option) is not None for option in KV_CACHE_OPTIONS):
         return "kv cache"
     return None
 
 
-def _temperature(ar, model, args: dict) -> float:
-    """The temperature ``generate_step`` will use (mlx-vlm ≥ 0.7 falls back on the checkpoint's defaults)."""
+def prompt_inputs(model, args: dict, extra: dict) -> PromptInputs:
+    """The prompt pass as mlx-vlm's ``generate_step`` runs it: ``model.get_input_embeddings`` (media features
+    merged, multimodal positions), its output's fields joining the caller's keywords (on mlx-vlm ≥ 0.7 the caller's
+    own ``position_ids`` / ``rope_deltas`` win, ``CALLER_POSITIONS_WIN``)."""
+    explicit = {k: extra[k] for k in POSITION_KWARGS if k in extra} if CALLER_POSITIONS_WIN else {}
+    output = model.get_input_embeddings(args["input_ids"], args["pixel_values"], mask=args["mask"], **extra)
+    fields = {k: v for k, v in output.to_dict().items() if k != "inputs_embeds" and v is not None}
+    return PromptInputs(output.inputs_embeds, {**extra, **fields, **explicit})
+
+
+def _sampling_parameters(ar, model, args: dict) -> tuple[float, float | None, int | None]:
+    """``(temperature, top_p, top_k)`` as ``generate_step`` will use them (mlx-vlm ≥ 0.7 falls back on the
+    checkpoint's generation defaults for unset ones); temperature 0: greedy."""
     resolve = getattr(ar, "resolve_sampling_defaults", None)
-    temperature = args.get("temperature")
+    temperature, top_p, top_k = args.get("temperature"), args.get("top_p"), args.get("top_k")
     if resolve is not None:
-        temperature = resolve(getattr(model, "config", None), temperature=temperature,
-                              top_p=args.get("top_p"), top_k=args.get("top_k"))[0]
-    return temperature or 0.0
+        temperature, top_p, top_k = resolve(getattr(model, "config", None), temperature=temperature,
+                                            top_p=top_p, top_k=top_k)
+    return temperature or 0.0, top_p, top_k
 
 
 def _processors(ar, args: dict) -> list:
@@ -125,7 +133,7 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict 
         args: ``generate_step``'s named arguments, defaults applied.
         extra: its other keywords (those it passes on to the model), None values dropped.
     """
-    reason = _stock_reason(args, extra, _temperature(ar, model, args))
+    reason = _stock_reason(model, args, extra)
     if reason is not None:
         if reason in WARNINGS and reason not in _warned:
             _warned.add(reason)
@@ -133,22 +141,35 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict 
         return None
     from mlx_vlm.models.cache import KVCache, make_prompt_cache
 
+    temperature, top_p, top_k = _sampling_parameters(ar, model, args)
+    sampled = sampling(ar, args, temperature, top_p, top_k) if temperature > 0 else None
+    if sampled is not None and (depth is None or (type(depth) is int and depth == 0)):
+        # A seed must fix the tokens, as in stock mlx-vlm: the depth of a sampled generation may not depend on
+        # timing (the adaptive controller); the tuned depth, fixed (tuned plain: stock decoding).
+        depth = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
+        if depth == 0:
+            return None
+
     prompt_size = args["input_ids"].size
     step = args.get("prefill_step_size")
     chunked = step is not None and (prompt_size > 1 if CHUNKS_EVERY_PROMPT else prompt_size > step)
     policy = depth_policy(depth, loaded)  # raises on a bad depth
     loaded.stats = MTPStats(policy if isinstance(policy, int) else None)
     cache = args.get("prompt_cache")
+    if sampled is not None and args.get("seed") is not None:
+        mx.random.seed(args["seed"])  # the loop draws from MLX's global generator
     return {
         "cache": make_prompt_cache(model.language_model) if cache is None else cache,
         "head_cache": KVCache(),
         "depth": policy,
         "max_tokens": args["max_tokens"],
+        "sampling": sampled,
         "logits_processors": _processors(ar, args),
         "prefill_step_size": step or prompt_size,
         "prefill_history": not chunked,
         "prompt_progress_callback": prefill_bar() if chunked and args.get("verbose") else None,
         "stats": loaded.stats,
+        "prompt_inputs": prompt_inputs(model, args, extra),
     }
 
 

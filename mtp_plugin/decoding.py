@@ -63,6 +63,11 @@ class Trunk(Protocol):
     def embed(self, tokens: mx.array) -> mx.array:
         """Input embeddings (…, H) of integer ``tokens`` (…)."""
 
+    def head_inputs(self, tokens: mx.array, start: int) -> tuple[mx.array, mx.array | None]:
+        """The head's inputs with the pairs (h[start+i], x[start+i+1]) of tokens x (S,), positions counted from
+        the prompt's first token: embeddings (1, S, H) and the positions its layer takes (None: its cache
+        offset)."""
+
     def logits(self, hidden: mx.array) -> mx.array:
         """Vocabulary logits (…, V) of head outputs (…, H) (the head applies its own final norm)."""
 

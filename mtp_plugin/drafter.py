@@ -86,10 +86,13 @@ class Drafter:
         self.head, self.trunk, self.cache, self.sampling = head, trunk, cache, sampling
         self.pending = PendingPairs()
         self.stopped = False
+        self.committed = 0  # pairs committed so far: the next one's hidden is that of token ``committed``
 
-    def feed(self, hidden: mx.array, tokens: mx.array) -> mx.array:
-        """Run the head on pairs (hidden (1, S, H), tokens (S,)), appending them to its cache; (1, S, H)."""
-        return self.head(hidden, self.trunk.embed(tokens[None]), cache=self.cache)
+    def feed(self, hidden: mx.array, tokens: mx.array, start: int) -> mx.array:
+        """Run the head on pairs (hidden (1, S, H), tokens (S,)) whose first hidden is that of token ``start``
+        (counted from the prompt's first), appending them to its cache; (1, S, H)."""
+        embeddings, positions = self.trunk.head_inputs(tokens, start)
+        return self.head(hidden, embeddings, cache=self.cache, positions=positions)
 
     def choose(self, g: mx.array) -> tuple[mx.array, mx.array | None]:
         """Draft token (1,) from head output g (1, 1, H): the argmax, or a sample from q (1, V) when sampling."""
@@ -107,12 +110,14 @@ class Drafter:
         pairs_hidden = hidden[:, :-1] if carry is None else mx.concatenate([carry, hidden[:, :-1]], axis=1)
         pairs_tokens = tokens[1:] if carry is None else tokens
         if pairs_tokens.size:
-            self.feed(pairs_hidden, pairs_tokens)
+            self.feed(pairs_hidden, pairs_tokens, self.committed)
+            self.committed += pairs_tokens.size
         return hidden[:, -1:]
 
     def keep(self, hidden: mx.array, tokens: mx.array) -> None:
         """Committed pairs (hidden (1, n, H), tokens (n,)), fed to the head by the next draft (none once stopped;
         the last ``HISTORY_WINDOW`` at most)."""
+        self.committed += tokens.size
         if not self.stopped:
             self.pending.add(hidden, tokens)
 
@@ -129,7 +134,7 @@ class Drafter:
             the head's weights makes it False; ``decoding.reject_nonfinite`` turns that into a rejection).
         """
         hidden, tokens = self.pending.take()
-        g = self.feed(hidden, tokens)[:, -1:]
+        g = self.feed(hidden, tokens, self.committed - tokens.size)[:, -1:]
         drafts, qs, outputs = [], [], []
         for k in range(depth):
             x, q = self.choose(g)
@@ -137,7 +142,7 @@ class Drafter:
             qs.append(q)
             outputs.append(g)
             if k < depth - 1:
-                g = self.feed(g, x)
+                g = self.feed(g, x, self.committed + k)
         finite = mx.isfinite(mx.concatenate(outputs, axis=1) if depth > 1 else g).all()
         if depth == 1:
             return drafts[0], qs[0], finite

@@ -41,7 +41,8 @@ class MTPHead(nn.Module):
         self.norm = nn.RMSNorm(hidden_size, eps=eps)
         self.contract = contract or Contract()
 
-    def __call__(self, hidden: mx.array, embeddings: mx.array, cache=None, mask=None) -> mx.array:
+    def __call__(self, hidden: mx.array, embeddings: mx.array, cache=None, mask=None,
+                 positions: mx.array | None = None) -> mx.array:
         """Head output before the lm_head.
 
         Args:
@@ -49,6 +50,8 @@ class MTPHead(nn.Module):
             embeddings: trunk embeddings of x[t+1], shape (B, T, H).
             cache: the head's own KV cache (an mlx-lm/mlx-vlm ``KVCache``, or a batched one) or None.
             mask: attention mask for a batched cache (its ``make_mask``); None: causal over the new tokens.
+            positions: multimodal rotary positions (3, B, T) of the pairs, passed to the layer as ``position_ids``
+                (mlx-vlm's Qwen3.5 layers); None: the layer counts from its cache offset.
 
         Returns:
             (B, T, H) array, same dtype as the head's weights.
@@ -59,7 +62,8 @@ class MTPHead(nn.Module):
         x = self.fc(mx.concatenate(pair, axis=-1))
         if mask is None and x.shape[1] > 1:
             mask = self._causal(x.shape[1], cache) if self.array_mask else "causal"  # bottom-right aligned
-        return self.norm(self.layers[0](x, mask=mask, cache=cache))
+        extra = {} if positions is None else {"position_ids": positions}
+        return self.norm(self.layers[0](x, mask=mask, cache=cache, **extra))
 
     @staticmethod
     def _causal(length: int, cache) -> mx.array:

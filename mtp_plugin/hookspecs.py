@@ -118,8 +118,9 @@ def mtp_new_caches(model) -> tuple | None:
 
 @hookspec
 def mtp_reference_decoders(model_dir, dtype) -> list:
-    """Other runtimes' own MTP decoders to compare against on ``model_dir`` (weights cast to ``dtype``, an
-    ``mx.Dtype`` or None): each item a ``ReferenceDecoder`` (see ``bench.py``) or a one-line string saying why
+    """Decoders to compare against on ``model_dir`` (weights cast to ``dtype``, an ``mx.Dtype`` or None): other
+    runtimes' own MTP decoders, and this plugin's decoding where the bench's own rows cannot show it (another
+    runtime's media prompts); each item a ``ReferenceDecoder`` (see ``bench.py``) or a one-line string saying why
     that runtime cannot run it."""
 
 
@@ -139,7 +140,11 @@ def mtp_trunk(model, contract):
 
 @hookspec(firstresult=True)
 def mtp_generate_step(prompt, model, options: dict):
-    """A generator replacing the runtime's ``generate_step`` for ``model`` (yields ``(token, logprobs)``), or None."""
+    """A generator replacing the runtime's ``generate_step`` for ``model`` (yields ``(token, logprobs)``), or None.
+
+    ``options`` are ``decoding.generate``'s keywords, and ``prompt_inputs`` (a ``trunk.PromptInputs``, or absent)
+    when the runtime runs its prompt pass on embeddings and keywords of its own (mlx-vlm: media features merged,
+    multimodal positions)."""
 
 
 @hookspec

@@ -4,6 +4,7 @@ plugin that serves it, with the MTP decoding loop, to every family whose trunk i
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,39 +22,97 @@ def trunk_parts(model):
     return outer.model, getattr(outer, "args", None) or model.args
 
 
+def multimodal(model) -> bool:
+    """Whether ``model``'s decoder stack takes multimodal rotary positions (``position_ids``: mlx-vlm's Qwen3.5):
+    then ``StackTrunk`` runs the runtime's own prompt pass, media included."""
+    return "position_ids" in inspect.signature(trunk_parts(model)[0].__call__).parameters
+
+
+@dataclass(frozen=True)
+class PromptInputs:
+    """The prompt pass as the runtime runs it (mlx-vlm: after ``model.get_input_embeddings``).
+
+    Attributes:
+        embeddings: (1, T, H) input embeddings of the T prompt tokens, media features merged in.
+        keywords: what the runtime passes its language model with every prompt pass (mlx-vlm: the embedding
+            output's fields such as ``position_ids`` (3, 1, T') and ``rope_deltas``, ``image_grid_thw`` and the
+            caller's other model keywords); later passes get none, as in the runtime's own loop.
+    """
+
+    embeddings: mx.array
+    keywords: dict = field(default_factory=dict)
+
+    def head_positions(self, start: int, length: int) -> mx.array | None:
+        """Multimodal rotary positions (3, 1, length), int32, for the head's pairs ``start .. start+length-1`` (pair
+        j: trunk hidden state of prompt token j): the prompt's own positions, then one past their maximum for
+        each later token (Qwen2-VL ``get_rope_index``: text after media continues from the largest position).
+        None when the prompt carries no 3-axis positions (the head then counts its own cache offset)."""
+        positions = self.keywords.get("position_ids")
+        if positions is None or positions.ndim != 3:
+            return None
+        prompt = positions[..., -self.embeddings.shape[1]:].astype(mx.int32)  # longer with a cached prefix's
+        inside = prompt[..., start : start + length]
+        beyond = length - inside.shape[-1]
+        if beyond <= 0:
+            return inside
+        first = prompt.max() + 1 + max(start - prompt.shape[-1], 0)
+        after = mx.broadcast_to(mx.arange(beyond, dtype=mx.int32) + first, (3, 1, beyond))
+        return mx.concatenate([inside, after], axis=-1) if inside.shape[-1] else after
+
+
 class StackTrunk:
     """The trunk functions the decoding loop needs (``decoding.Trunk``), over a runtime's decoder-stack model
     (``trunk_parts``): Qwen3.5 / Qwen3-Next of mlx-lm and mlx-vlm, DeepSeek-V3, GLM-4 MoE.
 
     ``hidden`` returns the decoder stack's output after its final norm (contract ``post_norm``), or
     before it (``pre_norm``: the final norm is bypassed for the call, so the model must not be used
-    by another thread meanwhile). A decoder stack whose call takes ``position_ids`` (mlx-vlm's
-    Qwen3.5, multimodal RoPE) is given the positions of text tokens explicitly: every one of the three
-    mRoPE axes carries the absolute position (cache offset + i), which is what mlx-vlm's language
-    model computes for text-only input (rope delta 0; Qwen2-VL's ``get_rope_index``).
+    by another thread meanwhile). A decoder stack whose call takes ``position_ids`` (mlx-vlm's Qwen3.5,
+    multimodal RoPE) is run, when given the runtime's prompt pass, through the runtime's own language model
+    call (``return_hidden``), which sets the positions of every pass exactly as the runtime's loop does (media
+    positions, the rope delta after them); without one, with the positions of text (``text_positions``).
+
+    Args:
+        model: the runtime's model.
+        contract: the head's ``conventions.Contract``.
+        prompt: the prompt pass as the runtime runs it (its first ``hidden`` calls, in order, are the prompt's
+            tokens); None: token embeddings and no keywords.
     """
 
-    def __init__(self, model, contract):
+    def __init__(self, model, contract, prompt: PromptInputs | None = None):
+        self.outer = getattr(model, "language_model", model)
         self.text_model, _ = trunk_parts(model)
-        self.lm_head = getattr(getattr(model, "language_model", model), "lm_head", None)
+        self.lm_head = getattr(self.outer, "lm_head", None)
         self.pre_norm = contract.hidden == "pre_norm"
-        self.mrope = "position_ids" in inspect.signature(self.text_model.__call__).parameters
+        self.mrope = multimodal(model)
+        self.prompt, self.prompt_done = prompt, 0
 
     def hidden(self, tokens, cache):
         """(1, S, H) hidden states of tokens (1, S) in the contract's variant, advancing cache."""
-        kwargs = {"position_ids": self.text_positions(cache, tokens.shape[1])} if self.mrope else {}
         if not self.pre_norm:
-            return self.text_model(tokens, cache=cache, **kwargs)
+            return self._run(tokens, cache)
         norm = self.text_model.norm
         self.text_model.norm = nn.Identity()
         try:
-            return self.text_model(tokens, cache=cache, **kwargs)
+            return self._run(tokens, cache)
         finally:
             self.text_model.norm = norm
 
+    def _run(self, tokens, cache):
+        if not self.mrope:
+            return self.text_model(tokens, cache=cache)
+        if self.prompt is None:
+            return self.text_model(tokens, cache=cache, position_ids=self.text_positions(cache, tokens.shape[1]))
+        prompt, keywords = self.prompt, {}
+        if self.prompt_done < prompt.embeddings.shape[1]:
+            start, self.prompt_done = self.prompt_done, self.prompt_done + tokens.shape[1]
+            keywords = {**prompt.keywords, "inputs_embeds": prompt.embeddings[:, start : self.prompt_done]}
+        out = self.outer(tokens, cache=cache, return_hidden=True, skip_logits=True, **keywords)
+        return out.hidden_states[-1]
+
     def text_positions(self, cache, length):
-        """mRoPE position ids (3, 1, S), int32, of the next S text tokens: offset of the first
-        full-attention layer's KV cache (0 without a cache) + arange(S) on every axis."""
+        """mRoPE position ids (3, 1, S), int32, of the next S text tokens without a runtime prompt pass (the
+        head's checks at load time): offset of the first full-attention layer's KV cache (0 without a cache) +
+        arange(S) on every axis, as mlx-vlm computes them for text (rope delta 0; Qwen2-VL ``get_rope_index``)."""
         offset = 0 if cache is None else next(c.offset for layer, c in zip(self.text_model.layers, cache, strict=True)
                                               if not getattr(layer, "is_linear", False))
         return mx.broadcast_to(mx.arange(offset, offset + length, dtype=mx.int32), (3, 1, length))
@@ -61,6 +120,19 @@ class StackTrunk:
     def embed(self, tokens):
         """(…, H) input embeddings."""
         return self.text_model.embed_tokens(tokens)
+
+    def head_inputs(self, tokens, start: int):
+        """What the head takes with the pairs (h[start+i], x[start+i+1]), i < S, of tokens x (S,) counted from
+        the prompt's first token: their embeddings (1, S, H) (the prompt pass's own, media features included,
+        for prompt tokens) and their multimodal positions (3, 1, S), or None (``PromptInputs.head_positions``)."""
+        if self.prompt is None:
+            return self.embed(tokens[None]), None
+        prompt = self.prompt.embeddings
+        inside = prompt[:, start + 1 : start + 1 + tokens.size]
+        rest = tokens[inside.shape[1]:]
+        embeddings = inside if not rest.size else (
+            mx.concatenate([inside, self.embed(rest[None])], axis=1) if inside.shape[1] else self.embed(rest[None]))
+        return embeddings, self.prompt.head_positions(start, tokens.size)
 
     def logits(self, hidden):
         """(…, V) logits through the lm_head, or the tied embedding."""
@@ -94,5 +166,6 @@ def mtp_generate_step(prompt, model, options):
     loaded = _loaded(model, drafting=True)
     if loaded is None:
         return None
-    head = loaded.module
-    return decoding.generate(prompt, StackTrunk(model, head.contract), head, health=loaded.health, **options)
+    head, options = loaded.module, dict(options)
+    trunk = StackTrunk(model, head.contract, options.pop("prompt_inputs", None))
+    return decoding.generate(prompt, trunk, head, health=loaded.health, **options)

@@ -1,4 +1,4 @@
-"""MTP decoding in mlx-vlm for text prompts: greedy output identical to plain, stock for images and sampling.
+"""MTP decoding in mlx-vlm for text, image and video prompts: greedy output identical to stock mlx-vlm.
 
 Random tiny mlx-vlm models (with a tiny vision tower) of every family member, the head stored in
 several forms; their random heads are rejected at the first draft, so every cycle exercises rollback.
@@ -6,6 +6,7 @@ The trained tiny checkpoint exercises acceptance through ``mlx_vlm.generate`` an
 """
 
 import importlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -106,7 +107,7 @@ def test_logits_processors_see_what_plain_sees(load):
 
 def test_reused_prompt_cache_with_text_positions(load):
     """A second turn on the first turn's cache, with the full prompt's mRoPE metadata passed explicitly (as
-    ``stream_generate`` primes it for a reused ``PromptCacheState``): MTP for text positions, else stock.
+    ``stream_generate`` primes it for a reused ``PromptCacheState``): MTP, with mlx-vlm's own positions.
     mlx-vlm 0.6 restarts the positions of such a turn; MTP leaves it stock there."""
     from mlx_vlm.models.cache import make_prompt_cache
 
@@ -122,8 +123,10 @@ def test_reused_prompt_cache_with_text_positions(load):
         outputs.append((first, second))
     assert outputs[0] == outputs[1]
     assert (model.mtp_head.stats is not None) == CONTINUES_CACHED_POSITIONS
-    tokens(model, SHORT, max_tokens=4, rope_deltas=mx.array([[-3]]))  # not text positions: stock
-    assert model.mtp_head.stats is None
+    shifted = dict(max_tokens=8, rope_deltas=mx.array([[-3]]))  # positions no text prompt has: still mlx-vlm's
+    mtp = tokens(model, SHORT, mtp_depth=2, **shifted)
+    assert model.mtp_head.stats.drafted > 0
+    assert mtp == tokens(model, SHORT, enable_mtp=False, **shifted)
 
 
 def image_inputs(config):
@@ -135,17 +138,134 @@ def image_inputs(config):
     return prompt, pixel_values, mx.array([[1, 2, 2]])
 
 
-def test_image_prompt_decodes_stock(built, load):
+def test_image_prompt_on_random_head_as_stock(built, load):
+    """An image prompt whose every draft is rejected (random head): each cycle rolls back across the image's
+    positions, and the output is stock mlx-vlm's; a text prompt after it is unchanged."""
     model = load("qwen3_5", "sidecar")
     prompt, pixel_values, grid = image_inputs(built("qwen3_5")[0])
-    patched = tokens(model, prompt, pixel_values, image_grid_thw=grid)
-    assert model.mtp_head.stats is None
+    patched = tokens(model, prompt, pixel_values, image_grid_thw=grid, mtp_depth=2)
+    assert model.mtp_head.stats.drafted > 0
     mtp_plugin.unpatch()
     stock = tokens(model, prompt, pixel_values, image_grid_thw=grid)
     text_stock = tokens(model, SHORT)
     mtp_plugin.patch()
     assert patched == stock
     assert tokens(model, SHORT) == text_stock  # the image generation left no stale position state behind
+
+
+# (grid t, h, w; the prompt token that stands for the media; the keyword carrying its patches). The tiny vision
+# tower merges 2x2 patches into one token: the image is 4 tokens, the video 2 frames of 4.
+MEDIA = {"image": ((1, 4, 4), "image_token_id", "image_grid_thw", None),
+         "video": ((2, 4, 4), "video_token_id", "video_grid_thw", "pixel_values_videos")}
+
+
+@pytest.fixture(scope="module")
+def trained_vlm_model(tmp_path_factory):
+    """The trained tiny checkpoint with a random tiny vision tower (``examples/add_vision_tower.py``), loaded by
+    mlx-vlm; its config and tokenizer."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    spec = importlib.util.spec_from_file_location("add_vision_tower", TINY.parent / "add_vision_tower.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    path = tmp_path_factory.mktemp("trained-vlm") / "model"
+    config = example.add_vision_tower(TINY / "hf", path)
+    return load_model(path), config, load_tokenizer(path), path
+
+
+def media_prompt(config, tokenizer, media: str, text: str = TRAINED_PROMPT) -> tuple[list[int], mx.array, dict]:
+    """``Look:`` + the media + ``text``: token ids, the media's patches (positional) and the keywords to pass."""
+    (t, h, w), marker, grid_key, patches_key = MEDIA[media]
+    vision = config["vision_config"]
+    patch = vision["in_channels"] * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    patches = mx.random.normal((t * h * w, patch), key=mx.random.key(t))
+    prompt = [*tokenizer.encode("Look:\n"), config["vision_start_token_id"],
+              *[config[marker]] * (t * h * w // 4), config["vision_end_token_id"], *tokenizer.encode(text)]
+    keywords = {grid_key: mx.array([[t, h, w]])}
+    if patches_key is None:
+        return prompt, patches, keywords
+    return prompt, None, {**keywords, patches_key: patches}
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, None])
+@pytest.mark.parametrize("media", MEDIA)
+def test_media_prompt_greedy_identical_to_stock(trained_vlm_model, media, depth):
+    """Image and video prompts decode with MTP (mlx-vlm's own prompt pass, multimodal positions), token for token
+    mlx-vlm's output, drafts accepted after the media at every depth and adaptive."""
+    model, config, tokenizer, _ = trained_vlm_model
+    prompt, pixel_values, keywords = media_prompt(config, tokenizer, media)
+    plain = tokens(model, prompt, pixel_values, max_tokens=40, enable_mtp=False, **keywords)
+    mtp = tokens(model, prompt, pixel_values, max_tokens=40, mtp_depth=depth, **keywords)
+    assert mtp == plain
+    stats = model.mtp_head.stats
+    assert stats.depth == depth and stats.emitted + stats.plain == len(mtp) - 1 and stats.accepted > 0
+
+
+def test_head_positions_are_the_trunks_after_an_image(trained_vlm_model, monkeypatch):
+    """Every pair the head sees, in the prompt's image, after it and while drafting, carries the multimodal rotary
+    position mlx-vlm's trunk gave the same token (the image compresses positions: they fall behind the token
+    index after it), and the head's layer receives exactly those positions."""
+    from mtp_plugin import trunk
+
+    model, config, tokenizer, _ = trained_vlm_model
+    prompt, pixel_values, keywords = media_prompt(config, tokenizer, "image", "def main():\n")
+    text_model, head_layer = model.language_model.model, model.mtp_head.module.layers[0]
+    trunk_at, head_pairs, head_layer_positions = {}, [], []
+
+    def trunk_call(self, *args, cache=None, position_ids=None, **kwargs):
+        offset = cache[self.fa_idx].offset
+        positions = position_ids if position_ids.ndim == 3 else mx.broadcast_to(position_ids, (3, *position_ids.shape))
+        trunk_at.update({offset + i: positions[:, 0, i].tolist() for i in range(positions.shape[-1])})
+        return stock_call(self, *args, cache=cache, position_ids=position_ids, **kwargs)
+
+    def head_inputs(self, pair_tokens, start):
+        embeddings, positions = stock_head_inputs(self, pair_tokens, start)
+        head_pairs.append((start, positions))
+        return embeddings, positions
+
+    def layer_call(self, *args, **kwargs):
+        if self is head_layer:
+            head_layer_positions.append(kwargs["position_ids"])
+        return stock_layer(self, *args, **kwargs)
+
+    stock_call, stock_head_inputs, stock_layer = type(text_model).__call__, trunk.StackTrunk.head_inputs, \
+        type(head_layer).__call__
+    monkeypatch.setattr(type(text_model), "__call__", trunk_call)
+    monkeypatch.setattr(trunk.StackTrunk, "head_inputs", head_inputs)
+    monkeypatch.setattr(type(head_layer), "__call__", layer_call)
+    tokens(model, prompt, pixel_values, max_tokens=30, mtp_depth=3, **keywords)
+    assert model.mtp_head.stats.drafted > 0 and len(head_pairs) == len(head_layer_positions) > 2
+    assert trunk_at[len(prompt) - 1][0] < len(prompt) - 1  # the image compressed the positions after it
+    for (start, positions), given in zip(head_pairs, head_layer_positions, strict=True):
+        assert given is positions
+        assert [positions[:, 0, i].tolist() for i in range(positions.shape[-1])] == \
+            [trunk_at[start + i] for i in range(positions.shape[-1])], start
+    assert head_pairs[0][0] == 0 and max(start for start, _ in head_pairs) >= len(prompt)
+
+
+def test_bench_decoders_for_image_prompts(trained_vlm_model):
+    """``mtp-plugin bench`` on a checkpoint with a vision tower adds image-prompt rows: this plugin's decoding in
+    mlx-vlm and, where mlx-vlm has one, its native MTP beside it; every "plain" row is stock mlx-vlm (no MTP)."""
+    from mtp_plugin.adapters import mlx_vlm_native
+
+    _, _, tokenizer, path = trained_vlm_model
+    found = mlx_vlm_native.mtp_reference_decoders(model_dir=path, dtype=None)
+    decoders = [d for d in found if not isinstance(d, str)]
+    version = ".".join(map(str, release("mlx-vlm")))
+    plugin = [f"mlx-vlm {version} + mtp_plugin, image prompts"]
+    if importlib.util.find_spec("mlx_vlm.speculative") is not None:  # mlx-vlm's own drafters (0.6.8 has them)
+        expected = [f"mlx-vlm {version} native MTP", *plugin, f"mlx-vlm {version} native MTP, image prompts"]
+    else:
+        expected = plugin
+        assert found[0] == f"mlx-vlm {version}: no native MTP drafter in this version"
+    assert [d.name for d in decoders] == expected
+    prompt = tokenizer.encode(TRAINED_PROMPT)
+    for decoder in decoders:
+        plain = list(decoder.stream(prompt, 16, None))
+        assert decoder.stats() is None and decoder.model.mtp_head.stats is None, decoder.name
+        if decoder.drafter is None or release("mlx-vlm") >= (0, 7):  # 0.6.8's own MTP rounds fail (no reset)
+            assert list(decoder.stream(prompt, 16, 2)) == plain, decoder.name
+            assert decoder.stats().drafted > 0, decoder.name
 
 
 def test_headless_checkpoint_decodes_stock(built, tmp_path):
@@ -164,10 +284,17 @@ def test_bad_depth_is_refused_with_its_name(load, depth):
         tokens(load("qwen3_5", "sidecar"), SHORT, mtp_depth=depth)
 
 
-def test_sampling_decodes_stock(load):
+def test_custom_sampler_decodes_stock(load, caplog, monkeypatch):
+    """A sampler object of the caller's own has no known distribution: stock decoding, with a warning."""
+    from mtp_plugin.adapters import mlx_vlm_decoding
+
+    monkeypatch.setattr(mlx_vlm_decoding, "_warned", set())
     model = load("qwen3_5", "sidecar")
-    tokens(model, SHORT, temperature=0.7, max_tokens=4)
-    assert model.mtp_head.stats is None
+    mx.random.seed(5)
+    mtp = tokens(model, SHORT, max_tokens=6, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1) % 7)
+    assert model.mtp_head.stats is None and "custom sampler" in caplog.text
+    assert mtp == tokens(model, SHORT, max_tokens=6, enable_mtp=False,
+                         sampler=lambda logprobs: mx.argmax(logprobs, axis=-1) % 7)
 
 
 @pytest.mark.parametrize("option", [{"max_kv_size": 64}, {"max_kv_size": 12},

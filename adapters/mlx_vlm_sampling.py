@@ -1,0 +1,80 @@
+"""mlx-vlm's sampling as a ``decoding.Sampling``: the exact distribution its ``generate_step`` draws from.
+
+``generate_step`` (``mlx_vlm/generate/ar.py``, 0.6 and 0.7) builds one of two samplers from its arguments:
+
+* with a ``seed``, a positive temperature and no filter but top-p (0.7: and top-k), a position-keyed sampler:
+  top-k on the log-probs, then ``top_p_sampling``, which divides by the temperature *before* the nucleus
+  (``log_softmax(x / T)``, then ``apply_top_p``, then a draw at temperature 1);
+* otherwise ``make_sampler``: its filters in its order (top-nσ, p-less, typical-p, top-p, min-p, XTC, top-k) on
+  the log-probs, then a draw at the temperature (``generate_step`` gives it no XTC).
+
+The filters are mlx-vlm's own functions. A caller's own ``sampler`` has no known distribution (stock decoding).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import mlx.core as mx
+
+from mtp_plugin.decoding import Sampling
+
+
+def _scaled_log_softmax(logprobs: mx.array, temp: float) -> mx.array:
+    """``top_p_sampling``'s first step: log-softmax of the log-probs divided by the temperature, float32."""
+    logits = logprobs.astype(mx.float32) / temp
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _positioned(ar, args: dict, temp: float) -> bool:
+    """Whether ``generate_step`` samples with its position-keyed sampler (its own test, both releases)."""
+    plain = (args["min_p"] == ar.DEFAULT_MIN_P and args["top_n_sigma"] == ar.DEFAULT_TOP_N_SIGMA
+             and not args["p_less"] and args["typical_p"] == 1.0)
+    if not _positioned_top_k(ar):
+        plain = plain and args["top_k"] == ar.DEFAULT_TOP_K
+    return args.get("seed") is not None and temp > 0 and plain
+
+
+def _positioned_top_k(ar) -> bool:
+    """Whether the position-keyed sampler applies top-k itself (mlx-vlm 0.7), rather than never being chosen
+    with one (0.6)."""
+    return "top_k" in inspect.signature(ar._PositionedTargetSampler).parameters
+
+
+def sampling(ar, args: dict, temperature: float, top_p: float | None, top_k: int | None) -> Sampling:
+    """The distribution ``generate_step`` samples from for ``args``, with mlx-vlm's own filters.
+
+    Args:
+        ar: the module defining mlx-vlm's ``generate_step`` (its sampler classes and defaults).
+        args: ``generate_step``'s named arguments, defaults applied (``min_p``, ``top_n_sigma``, ``p_less``,
+            ``typical_p``, ``seed``).
+        temperature, top_p, top_k: as ``generate_step`` resolves them (mlx-vlm 0.7 fills unset ones from the
+            checkpoint's generation defaults); temperature > 0.
+    """
+    from mlx_vlm import sample_utils as su
+
+    temp = getattr(su, "clamp_temperature", lambda t: t)(temperature)
+    nucleus = top_p is not None and 0 < top_p < 1.0
+    top_k = top_k if top_k and top_k > 0 else None
+    if _positioned(ar, args, temp):
+        filters = [functools.partial(su.apply_top_k, top_k=top_k)] if top_k and _positioned_top_k(ar) else []
+        if nucleus:
+            filters += [functools.partial(_scaled_log_softmax, temp=temp),
+                        functools.partial(su.apply_top_p, top_p=top_p)]
+            return Sampling(1.0, tuple(filters))
+        return Sampling(temp, tuple(filters))
+    filters = []
+    if args["top_n_sigma"] > 0.0:
+        filters.append(functools.partial(su.apply_top_n_sigma, n_sigma=args["top_n_sigma"]))
+    if args["p_less"]:
+        filters.append(functools.partial(su.apply_p_less, temp=temp))
+    if 0.0 < args["typical_p"] < 1.0:
+        filters.append(functools.partial(su.apply_typical_p, typical_p=args["typical_p"]))
+    if nucleus:
+        filters.append(functools.partial(su.apply_top_p, top_p=top_p))
+    if args["min_p"] != 0.0:
+        filters.append(functools.partial(su.apply_min_p, min_p=args["min_p"]))
+    if top_k:
+        filters.append(functools.partial(su.apply_top_k, top_k=top_k))
+    return Sampling(temp, tuple(filters))

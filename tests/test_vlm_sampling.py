@@ -1,0 +1,90 @@
+"""Sampling with MTP in mlx-vlm draws from exactly the distribution of mlx-vlm's own sampler.
+
+A small-vocabulary float32 mlx-vlm model with a random head (drafts accepted and rejected often): generated
+tokens 2 and 3 under MTP and under stock mlx-vlm (``enable_mtp=False``, the sampler ``generate_step`` builds)
+are compared by a two-sample chi-square test, for both samplers ``generate_step`` chooses from: the filters of
+``make_sampler``, and the position-keyed sampler of a seeded request (temperature before the nucleus).
+"""
+
+import importlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
+from mlx_vlm.utils import load_model
+from mtp_plugin.adapters.patching import release
+from scipy.stats import chi2_contingency
+
+VOCAB = 24
+PROMPT = [3, 9, 1, 17]
+RUNS = 1000
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    config = config_for("qwen3_5", vision=True)
+    config.update(image_token_id=VOCAB - 3, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 1)
+    config["text_config"]["vocab_size"] = VOCAB
+    built = build_model(config, "mlx_vlm", seed=3)
+    path = save_checkpoint(tmp_path_factory.mktemp("small-vlm"), config, trunk_weights(built),
+                           build_head(built, config), "mtp.safetensors")
+    return load_model(path)
+
+
+def sample(model, options: dict, seeded: bool, **mtp) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Tokens 2 and 3 of ``RUNS`` generations (a seeded request gets seed i in run i: its draws are keyed by it),
+    and the drafts accepted and drafted over all of them."""
+    generate_step = importlib.import_module("mlx_vlm.generate").generate_step
+    mx.random.seed(1234)
+    out, accepted, drafted = [], 0, 0
+    for i in range(RUNS):
+        seed = {"seed": i} if seeded else {}
+        out.append([t for t, _ in generate_step(mx.array([PROMPT]), model, None, None, max_tokens=3,
+                                                **options, **seed, **mtp)][1:])
+        stats = model.mtp_head.stats
+        accepted, drafted = accepted + (stats.accepted if stats else 0), drafted + (stats.drafted if stats else 0)
+    return np.array(out)[:, 0], np.array(out)[:, 1], accepted, drafted
+
+
+def same_distribution_p(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sample chi-square p-value over token ids (ids seen fewer than 10 times in both pooled)."""
+    counts = np.stack([np.bincount(a, minlength=VOCAB), np.bincount(b, minlength=VOCAB)])
+    keep = counts.sum(0) >= 10
+    table = np.concatenate([counts[:, keep], counts[:, ~keep].sum(1, keepdims=True)], axis=1)
+    return chi2_contingency(table[:, table.sum(0) > 0]).pvalue
+
+
+SAMPLERS = [({"temperature": 1.0}, False, 2),
+            ({"temperature": 0.8, "top_p": 0.9, "min_p": 0.02, "top_k": 12}, False, 3),
+            ({"temperature": 0.5, "top_p": 0.5}, True, 2)]
+
+
+@pytest.mark.parametrize("options,seeded,depth", SAMPLERS)
+def test_mtp_sampling_matches_mlx_vlm_sampler(model, options, seeded, depth):
+    stock = sample(model, options, seeded, enable_mtp=False)
+    mtp = sample(model, options, seeded, mtp_depth=depth)
+    assert stock[2:] == (0, 0) and 0 < mtp[2] < mtp[3]  # both acceptance and the residual path were exercised
+    assert same_distribution_p(stock[0], mtp[0]) > 1e-3
+    assert same_distribution_p(stock[1], mtp[1]) > 1e-3
+
+
+def test_seed_fixes_the_tokens(model):
+    """As in stock mlx-vlm, a request's seed fixes its sampled tokens (the automatic depth is the tuned one,
+    fixed, never the timing-driven controller)."""
+    generate_step = importlib.import_module("mlx_vlm.generate").generate_step
+    runs = [[t for t, _ in generate_step(mx.array([PROMPT]), model, None, None, max_tokens=30, temperature=0.9,
+                                         seed=11)] for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    assert model.mtp_head.stats.drafted > 0
+
+
+@pytest.mark.skipif(release("mlx-vlm") < (0, 7), reason="mlx-vlm 0.6 has no checkpoint sampling defaults")
+def test_checkpoint_sampling_defaults_are_used(model, monkeypatch):
+    """mlx-vlm 0.7 fills an unset temperature from the checkpoint's generation defaults: MTP samples then too."""
+    ar = importlib.import_module("mlx_vlm.generate.ar")
+    monkeypatch.setattr(ar, "resolve_sampling_defaults", lambda config, temperature, top_p, top_k: (0.9, top_p, top_k))
+    generate_step = importlib.import_module("mlx_vlm.generate").generate_step
+    runs = {tuple(t for t, _ in generate_step(mx.array([PROMPT]), model, None, None, max_tokens=12, mtp_depth=2))
+            for _ in range(4)}
+    assert len(runs) > 1 and model.mtp_head.stats.drafted > 0
