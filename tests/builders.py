@@ -164,4 +164,3 @@ def caches_after_close(model: nn.Module, prompt: list[int], stop: int, common: d
         generator.close()
         caches.append(cache_arrays(cache))
     return caches[0], caches[1]
-
