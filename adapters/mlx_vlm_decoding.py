@@ -94,14 +94,14 @@ def _stock_reason(model, args: dict, extra: dict) -> str | None:
     return None
 
 
-def prompt_inputs(model, args: dict, extra: dict) -> PromptInputs:
-    """The prompt pass as mlx-vlm's ``generate_step`` runs it: ``model.get_input_embeddings`` (media features
-    merged, multimodal positions), its output's fields joining the caller's keywords (on mlx-vlm ≥ 0.7 the caller's
-    own ``position_ids`` / ``rope_deltas`` win, ``CALLER_POSITIONS_WIN``)."""
+def prompt_inputs(model, args: dict, extra: dict, one_pass: bool) -> PromptInputs:
+    """The prompt pass as mlx-vlm's ``generate_step`` runs it (``one_pass``: not chunked): ``model.
+    get_input_embeddings`` (media features merged, multimodal positions), its output's fields joining the caller's
+    keywords (on mlx-vlm ≥ 0.7 the caller's own ``position_ids`` / ``rope_deltas`` win, ``CALLER_POSITIONS_WIN``)."""
     explicit = {k: extra[k] for k in POSITION_KWARGS if k in extra} if CALLER_POSITIONS_WIN else {}
     output = model.get_input_embeddings(args["input_ids"], args["pixel_values"], mask=args["mask"], **extra)
     fields = {k: v for k, v in output.to_dict().items() if k != "inputs_embeds" and v is not None}
-    return PromptInputs(output.inputs_embeds, {**extra, **fields, **explicit})
+    return PromptInputs(output.inputs_embeds, {**extra, **fields, **explicit}, one_pass)
 
 
 def _sampling_parameters(ar, model, args: dict) -> tuple[float, float | None, int | None]:
@@ -156,8 +156,6 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict 
     policy = depth_policy(depth, loaded)  # raises on a bad depth
     loaded.stats = MTPStats(policy if isinstance(policy, int) else None)
     cache = args.get("prompt_cache")
-    if sampled is not None and args.get("seed") is not None:
-        mx.random.seed(args["seed"])  # the loop draws from MLX's global generator
     return {
         "cache": make_prompt_cache(model.language_model) if cache is None else cache,
         "head_cache": KVCache(),
@@ -169,7 +167,7 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict 
         "prefill_history": not chunked,
         "prompt_progress_callback": prefill_bar() if chunked and args.get("verbose") else None,
         "stats": loaded.stats,
-        "prompt_inputs": prompt_inputs(model, args, extra),
+        "prompt_inputs": prompt_inputs(model, args, extra, one_pass=not chunked),
     }
 
 

@@ -4,7 +4,9 @@
 
 * with a ``seed``, a positive temperature and no filter but top-p (0.7: and top-k), a position-keyed sampler:
   top-k on the log-probs, then ``top_p_sampling``, which divides by the temperature *before* the nucleus
-  (``log_softmax(x / T)``, then ``apply_top_p``, then a draw at temperature 1);
+  (``log_softmax(x / T)``, then ``apply_top_p``, then a draw at temperature 1), each token's draw keyed by the
+  seed and its position. The loop draws with that same sampler (``Sampling.keyed``): a seeded request gets
+  mlx-vlm's own tokens at every depth;
 * otherwise ``make_sampler``: its filters in its order (top-nσ, p-less, typical-p, top-p, min-p, XTC, top-k) on
   the log-probs, then a draw at the temperature (``generate_step`` gives it no XTC).
 
@@ -25,6 +27,13 @@ def _scaled_log_softmax(logprobs: mx.array, temp: float) -> mx.array:
     """``top_p_sampling``'s first step: log-softmax of the log-probs divided by the temperature, float32."""
     logits = logprobs.astype(mx.float32) / temp
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _keyed_draws(sampler, logprobs: mx.array, first: int) -> mx.array:
+    """Tokens (k,) the position-keyed ``sampler`` draws for generated tokens ``first .. first+k-1`` of row 0 from
+    log-probs (k, V), as ``generate_step`` calls it one token at a time (``Sampling.keyed``)."""
+    count = logprobs.shape[0]
+    return sampler.sample_target(logprobs, row_ids=[0] * count, positions=list(range(first, first + count)))
 
 
 def _positioned(ar, args: dict, temp: float) -> bool:
@@ -58,12 +67,16 @@ def sampling(ar, args: dict, temperature: float, top_p: float | None, top_k: int
     nucleus = top_p is not None and 0 < top_p < 1.0
     top_k = top_k if top_k and top_k > 0 else None
     if _positioned(ar, args, temp):
-        filters = [functools.partial(su.apply_top_k, top_k=top_k)] if top_k and _positioned_top_k(ar) else []
+        with_top_k = top_k and _positioned_top_k(ar)
+        sampler = ar._PositionedTargetSampler(temperature=temp, top_p=top_p, seed=args["seed"],
+                                              **({"top_k": top_k} if with_top_k else {}))
+        keyed = functools.partial(_keyed_draws, sampler)
+        filters = [functools.partial(su.apply_top_k, top_k=top_k)] if with_top_k else []
         if nucleus:
             filters += [functools.partial(_scaled_log_softmax, temp=temp),
                         functools.partial(su.apply_top_p, top_p=top_p)]
-            return Sampling(1.0, tuple(filters))
-        return Sampling(temp, tuple(filters))
+            return Sampling(1.0, tuple(filters), keyed)
+        return Sampling(temp, tuple(filters), keyed)
     filters = []
     if args["top_n_sigma"] > 0.0:
         filters.append(functools.partial(su.apply_top_n_sigma, n_sigma=args["top_n_sigma"]))

@@ -11,7 +11,9 @@ output is the trunk's own greedy output. Sampling: exact speculative sampling (L
 draft d with probability min(1, p(d)/q(d)), on the first rejection sample the residual distribution
 norm(max(p − q, 0)), and sample a bonus token from p when every draft is accepted; p is the trunk's
 distribution after the runtime's logits processors and sampler filters, q the head's after the same
-filters, so the output distribution is exactly the trunk's.
+filters, so the output distribution is exactly the trunk's. A runtime that keys each token's randomness
+by its position (mlx-vlm's seeded sampler) has its own draws used instead (``Sampling.keyed``): every emitted
+token is the one the runtime would draw there, and a draft is accepted iff it equals it.
 
 A broken head never reaches the output: a cycle whose head output is not finite (NaN/Inf) counts as
 rejected inside the acceptance computation (q taken as 0, so the residual is p itself) and its accepted
@@ -84,10 +86,16 @@ class Sampling:
         temp: temperature > 0.
         filters: functions log-probs (…, V) → filtered log-probs (-inf where excluded), in the
             runtime sampler's order (e.g. mlx-lm's ``apply_top_p``, ``apply_min_p``, ``apply_top_k``).
+        keyed: the runtime's own draws when it keys each token's randomness by the token's position
+            (mlx-vlm's seeded sampler): ``keyed(logprobs (k, V), first) -> tokens (k,)`` for the generated
+            tokens ``first .. first+k-1`` (0: the first token after the prompt). The loop then draws every
+            emitted token with it and accepts a draft iff it equals that token (``accept_matching``), so a
+            seed gives the runtime's own tokens at any depth; None: exact speculative sampling.
     """
 
     temp: float
     filters: tuple[Callable[[mx.array], mx.array], ...] = ()
+    keyed: Callable[[mx.array, int], mx.array] | None = None
 
     def probs(self, logprobs: mx.array) -> mx.array:
         """Sampling distribution (…, V), float32: softmax(filters(logprobs) / temp)."""
@@ -111,9 +119,25 @@ def accept_greedy(logprobs: mx.array, drafts: mx.array) -> tuple[mx.array, mx.ar
         ``(accepted, block)``: scalar count a of leading drafts equal to the trunk's argmax, and the
         (D+1,) trunk argmax tokens, of which the first a+1 are emitted.
     """
-    target = mx.argmax(logprobs, axis=-1)
-    accepted = mx.cumprod(target[:-1] == drafts).sum()
-    return accepted, target
+    return accept_matching(mx.argmax(logprobs, axis=-1), drafts)
+
+
+def accept_matching(targets: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    """Acceptance against tokens already chosen at the verified positions: the trunk's argmax (greedy), or the
+    runtime's own position-keyed samples (``Sampling.keyed``). Exact for sampling because each target token is
+    drawn from the trunk's distribution whatever the drafts are (a coupling: the drafts only decide how many
+    of them one verify pass confirms).
+
+    Args:
+        targets: (D+1,) tokens at the verified positions.
+        drafts: draft tokens (D,).
+
+    Returns:
+        ``(accepted, targets)``: scalar count a of leading drafts equal to their target; the first a+1 targets
+        are emitted.
+    """
+    accepted = mx.cumprod(targets[:-1] == drafts).sum()
+    return accepted, targets
 
 
 def accept_sampled(p: mx.array, q: mx.array, drafts: mx.array,
@@ -238,6 +262,7 @@ class _Loop:
         self.last, self.history = None, history
         self.cache_step = cache_step
         self.uncaptured = False  # the capture points were found gone: plain steps only
+        self.position = 0  # generated tokens drawn for good so far: the next one's position (``Sampling.keyed``)
 
     def after_pass(self) -> int | None:
         """Run the runtime's cache step on the committed cache (e.g. KV quantization); the most tokens the
@@ -249,8 +274,14 @@ class _Loop:
         return processed_logprobs(logits, inputs, past, self.processors)
 
     def pick(self, logprobs: mx.array) -> mx.array:
-        """The next token (…,): argmax, or a sample of the sampling distribution."""
-        return mx.argmax(logprobs, axis=-1) if self.sampling is None else _categorical(self.sampling.probs(logprobs))
+        """The next token (1,) from log-probs (1, V): argmax, the runtime's keyed draw, or a sample of the
+        sampling distribution."""
+        if self.sampling is None:
+            return mx.argmax(logprobs, axis=-1)
+        self.position += 1
+        if self.sampling.keyed is not None:
+            return self.sampling.keyed(logprobs, self.position - 1)
+        return _categorical(self.sampling.probs(logprobs))
 
     def plain_step(self) -> tuple[mx.array, mx.array, mx.array]:
         """Queue one plain step on ``last``: its hidden state (1, 1, H), log-probs (1, V), next token (1,)."""
@@ -289,6 +320,8 @@ class _Loop:
         logprobs = self.logprobs_at(self.trunk.trunk_logits(hidden[0]), inputs, self.history)
         if self.sampling is None:
             accepted, tokens = accept_greedy(logprobs, drafts)
+        elif self.sampling.keyed is not None:
+            accepted, tokens = accept_matching(self.sampling.keyed(logprobs, self.position), drafts)
         else:
             accepted, tokens = accept_sampled(self.sampling.probs(logprobs), q, drafts, finite)
         accepted = reject_nonfinite(accepted, finite)  # greedy: tokens are the trunk's argmax either way
@@ -299,6 +332,7 @@ class _Loop:
         """Keep the verified prefix: caches rolled back to ``inputs[:accepted+1]``, the head given the
         accepted pairs, ``last`` the cycle's correction or bonus token."""
         cycle.recorder.commit(self.cache, accepted + 1)
+        self.position += accepted + 1
         self.drafter.accept(cycle.depth, cycle.hidden[:, : accepted + 1], cycle.tokens[: accepted + 1])
         if self.processors:
             self.history = mx.concatenate([self.history, cycle.inputs[: accepted + 1]])
@@ -373,7 +407,7 @@ def generate(
     processors = list(logits_processors or [])
     callback = prompt_progress_callback or (lambda *_: None)
     history = (prompt if prefill_history else prompt[-1:]) if processors else None
-    drafter = Drafter(head, trunk, head_cache, sampling)
+    drafter = Drafter(head, trunk, head_cache, None if sampling is None or sampling.keyed else sampling)
     loop = _Loop(trunk, cache, drafter, sampling, processors, history, cache_step)
     health = health if health is not None else HeadHealth("given to decoding.generate")
     if health.parked:
@@ -386,7 +420,7 @@ def generate(
         chunk = prompt[done : done + min(prefill_step_size, total - done - 1)]
         carry = drafter.prefill(carry, trunk.hidden(chunk[None], cache), chunk)
         loop.after_pass()
-        mx.eval([c.state for c in cache], head_cache.state)
+        mx.eval([c.state for c in cache], head_cache.state if head_cache.offset else [])  # an empty cache: no state
         done += chunk.size
         callback(done, total)
     chunk = prompt[done:]

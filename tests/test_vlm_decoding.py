@@ -87,13 +87,34 @@ def test_greedy_identical_to_plain(load, kind, form):
 
 
 @pytest.mark.parametrize("depth", [1, 3, 8])
-@pytest.mark.parametrize("prompt", [[7], LONG])
-def test_depths_and_chunked_prefill(load, depth, prompt):
+@pytest.mark.parametrize("prompt,step", [([7], 64), (LONG, 64), (SHORT, 1)])
+def test_depths_and_chunked_prefill(load, depth, prompt, step):
     model = load("qwen3_5", "sidecar")
-    kwargs = dict(max_tokens=20, prefill_step_size=64)
+    kwargs = dict(max_tokens=20, prefill_step_size=step)
     mtp = tokens(model, prompt, mtp_depth=depth, **kwargs)
     assert model.mtp_head.stats.depth == depth and model.mtp_head.stats.drafted > 0
     assert mtp == tokens(model, prompt, enable_mtp=False, **kwargs)
+
+
+@pytest.mark.parametrize("step", [None, 4])
+def test_second_turn_on_a_reused_cache(load, step):
+    """A second prompt on the first one's cache, no position metadata passed: mlx-vlm runs it in one pass
+    (``prefill_step_size=None``) or in chunks, and MTP does what stock does either way (in chunks, stock slices
+    the prompt's own positions from the cache's offset and fails: MTP fails the same way)."""
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    model = load("qwen3_5", "sidecar")
+    turns = []
+    for options in ({"enable_mtp": False}, {"mtp_depth": 2}):
+        cache = make_prompt_cache(model.language_model)
+        first = tokens(model, LONG[:20], max_tokens=8, prompt_cache=cache, prefill_step_size=step, **options)
+        try:
+            turns.append((first, tokens(model, SHORT, max_tokens=8, prompt_cache=cache, prefill_step_size=step,
+                                        **options)))
+        except ValueError as e:
+            turns.append((first, type(e)))
+    assert turns[0] == turns[1]
+    assert (turns[0][1] is ValueError) == (step is not None)
 
 
 def test_logits_processors_see_what_plain_sees(load):
@@ -198,7 +219,8 @@ def test_media_prompt_greedy_identical_to_stock(trained_vlm_model, media, depth)
     mtp = tokens(model, prompt, pixel_values, max_tokens=40, mtp_depth=depth, **keywords)
     assert mtp == plain
     stats = model.mtp_head.stats
-    assert stats.depth == depth and stats.emitted + stats.plain == len(mtp) - 1 and stats.accepted > 0
+    assert stats.depth == depth and stats.emitted + stats.plain == len(mtp) - 1
+    assert stats.accepted > 0 or depth is None  # the adaptive controller may park on this CPU's timings
 
 
 def test_head_positions_are_the_trunks_after_an_image(trained_vlm_model, monkeypatch):
