@@ -101,7 +101,14 @@ def prompt_inputs(model, args: dict, extra: dict, one_pass: bool) -> PromptInput
     explicit = {k: extra[k] for k in POSITION_KWARGS if k in extra} if CALLER_POSITIONS_WIN else {}
     output = model.get_input_embeddings(args["input_ids"], args["pixel_values"], mask=args["mask"], **extra)
     fields = {k: v for k, v in output.to_dict().items() if k != "inputs_embeds" and v is not None}
-    return PromptInputs(output.inputs_embeds, {**extra, **fields, **explicit}, one_pass)
+    return PromptInputs(output.inputs_embeds, functools.partial(_language_model_pass, model.language_model),
+                        {**extra, **fields, **explicit}, one_pass)
+
+
+def _language_model_pass(language_model, tokens: mx.array, cache: list, keywords: dict) -> mx.array:
+    """mlx-vlm's language model on ``tokens`` (1, S): hidden states (1, S, H) after its final norm, no logits
+    (``trunk.PromptInputs.run``); it derives each pass's positions as in ``generate_step``."""
+    return language_model(tokens, cache=cache, return_hidden=True, skip_logits=True, **keywords).hidden_states[-1]
 
 
 def _sampling_parameters(ar, model, args: dict) -> tuple[float, float | None, int | None]:
@@ -167,7 +174,8 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict 
         "prefill_history": not chunked,
         "prompt_progress_callback": prefill_bar() if chunked and args.get("verbose") else None,
         "stats": loaded.stats,
-        "prompt_inputs": prompt_inputs(model, args, extra, one_pass=not chunked),
+        # a trunk without multimodal positions (Qwen3-Next) takes text only: its plain token pass is mlx-vlm's own
+        "prompt_inputs": prompt_inputs(model, args, extra, one_pass=not chunked) if multimodal(model) else None,
     }
 
 

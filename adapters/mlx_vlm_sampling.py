@@ -21,12 +21,12 @@ import inspect
 import mlx.core as mx
 
 from mtp_plugin.decoding import Sampling
+from mtp_plugin.drafter import log_softmax
 
 
 def _scaled_log_softmax(logprobs: mx.array, temp: float) -> mx.array:
     """``top_p_sampling``'s first step: log-softmax of the log-probs divided by the temperature, float32."""
-    logits = logprobs.astype(mx.float32) / temp
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return log_softmax(logprobs.astype(mx.float32) / temp)
 
 
 def _keyed_draws(sampler, logprobs: mx.array, first: int) -> mx.array:

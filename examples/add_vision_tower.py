@@ -9,8 +9,8 @@ start and the vision end. The copy is written as a converted mlx-vlm checkpoint 
 
 Example::
 
-    python examples/add_vision_tower.py examples/tiny-qwen3_5/hf /tmp/tiny-qwen3_5-vl
-    mtp-plugin bench /tmp/tiny-qwen3_5-vl     # adds mlx-vlm image-prompt rows
+    python examples/add_vision_tower.py examples/tiny-qwen3_5/hf build/tiny-qwen3_5-vl
+    mtp-plugin bench build/tiny-qwen3_5-vl     # adds mlx-vlm image-prompt rows
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ plugin that serves it, with the MTP decoding loop, to every family whose trunk i
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -34,6 +35,9 @@ class PromptInputs:
 
     Attributes:
         embeddings: (1, T, H) input embeddings of the T prompt tokens, media features merged in.
+        run: the runtime's own language model pass, ``run(tokens (1, S), cache, keywords) -> (1, S, H)`` hidden
+            states after the final norm; it sets every pass's positions as the runtime's loop does (media
+            positions, the rope delta after them). Supplied by the runtime's adapter.
         keywords: what the runtime passes its language model with every prompt pass (mlx-vlm: the embedding
             output's fields such as ``position_ids`` (3, 1, T') and ``rope_deltas``, ``image_grid_thw`` and the
             caller's other model keywords); later passes get none, as in the runtime's own loop.
@@ -44,6 +48,7 @@ class PromptInputs:
     """
 
     embeddings: mx.array
+    run: Callable[[mx.array, list, dict], mx.array]
     keywords: dict = field(default_factory=dict)
     one_pass: bool = False
 
@@ -79,10 +84,10 @@ class StackTrunk:
 
     ``hidden`` returns the decoder stack's output after its final norm (contract ``post_norm``), or
     before it (``pre_norm``: the final norm is bypassed for the call, so the model must not be used
-    by another thread meanwhile). A decoder stack whose call takes ``position_ids`` (mlx-vlm's Qwen3.5,
-    multimodal RoPE) is run, when given the runtime's prompt pass, through the runtime's own language model
-    call (``return_hidden``), which sets the positions of every pass exactly as the runtime's loop does (media
-    positions, the rope delta after them); without one, with the positions of text (``text_positions``).
+    by another thread meanwhile). Given the runtime's prompt pass (``PromptInputs``), every pass runs through the
+    runtime's own language model call it carries, which sets the positions as the runtime's loop does; without
+    one, a decoder stack whose call takes ``position_ids`` (mlx-vlm's Qwen3.5, multimodal RoPE) gets the
+    positions of text (``text_positions``).
 
     Args:
         model: the runtime's model.
@@ -92,9 +97,8 @@ class StackTrunk:
     """
 
     def __init__(self, model, contract, prompt: PromptInputs | None = None):
-        self.outer = getattr(model, "language_model", model)
         self.text_model, _ = trunk_parts(model)
-        self.lm_head = getattr(self.outer, "lm_head", None)
+        self.lm_head = getattr(getattr(model, "language_model", model), "lm_head", None)
         self.pre_norm = contract.hidden == "pre_norm"
         self.mrope = multimodal(model)
         self.prompt, self.prompt_done = prompt, 0
@@ -111,16 +115,15 @@ class StackTrunk:
             self.text_model.norm = norm
 
     def _run(self, tokens, cache):
-        if not self.mrope:
-            return self.text_model(tokens, cache=cache)
-        if self.prompt is None:
+        if self.prompt is not None:
+            keywords = {}
+            if self.prompt_done < self.prompt.embeddings.shape[1]:
+                start, self.prompt_done = self.prompt_done, self.prompt_done + tokens.shape[1]
+                keywords = self.prompt.pass_keywords(start, self.prompt_done)
+            return self.prompt.run(tokens, cache, keywords)
+        if self.mrope:
             return self.text_model(tokens, cache=cache, position_ids=self.text_positions(cache, tokens.shape[1]))
-        keywords = {}
-        if self.prompt_done < self.prompt.embeddings.shape[1]:
-            start, self.prompt_done = self.prompt_done, self.prompt_done + tokens.shape[1]
-            keywords = self.prompt.pass_keywords(start, self.prompt_done)
-        out = self.outer(tokens, cache=cache, return_hidden=True, skip_logits=True, **keywords)
-        return out.hidden_states[-1]
+        return self.text_model(tokens, cache=cache)
 
     def text_positions(self, cache, length):
         """mRoPE position ids (3, 1, S), int32, of the next S text tokens without a runtime prompt pass (the
