@@ -1,15 +1,15 @@
 """Zero-configuration activation, loaded at interpreter start-up by ``mtp_plugin.pth``.
 
 Start-up cost is one tiny module and one ``sys.meta_path`` entry: no mlx, mlx-lm or pluggy import.
-When ``mlx_lm``, ``mlx_lm.server`` or ``mlx_vlm`` is imported later, the hook runs ``mtp_plugin.patch()`` right after
-the package has executed. ``MTP_PLUGIN_DISABLE=1`` turns it off. A patch error never breaks the host
-program: it is logged once and every runtime is left stock.
+When ``mlx_lm``, ``mlx_lm.server``, ``mlx_vlm`` or ``mlx_vlm.server`` is imported later, the hook runs
+``mtp_plugin.patch()`` right after the package has executed. ``MTP_PLUGIN_DISABLE=1`` turns it off. A patch error
+never breaks the host program: it is logged once and every runtime is left stock.
 """
 
 import os
 import sys
 
-WATCHED = ("mlx_lm", "mlx_lm.server", "mlx_vlm")
+WATCHED = ("mlx_lm", "mlx_lm.server", "mlx_vlm", "mlx_vlm.server")
 DISABLE_ENV = "MTP_PLUGIN_DISABLE"
 
 

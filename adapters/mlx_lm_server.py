@@ -81,12 +81,13 @@ def parse_request(body: dict) -> MTPRequest:
     return MTPRequest(enabled, depth)
 
 
-def strip_cli_flags(main):
-    """Wrap ``mlx_lm.server.main``: consume ``--plugin``, ``--mtp-depth`` and ``--no-mtp`` from ``sys.argv``."""
+def strip_cli_flags(main, prog: str = "mlx_lm.server"):
+    """Wrap a server's ``main`` (``mlx_lm.server``, ``mlx_vlm.server``): consume ``--plugin``, ``--mtp-depth`` and
+    ``--no-mtp`` from ``sys.argv``; ``-h`` lists them before the server's own options."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
-        parser = argparse.ArgumentParser(prog="mlx_lm.server", add_help=False, allow_abbrev=False)
+        parser = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False)
         parser.add_argument("--plugin", action="append", choices=PLUGIN_NAMES, default=[],
                             help="Enable a plugin; 'mtp' decodes with the checkpoint's MTP head (on by default).")
         parser.add_argument("--mtp-depth", type=int, default=0, choices=range(MAX_DEPTH + 1), metavar="N",

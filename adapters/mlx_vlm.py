@@ -1,16 +1,18 @@
-"""mlx-vlm adapter: load-time strip-and-keep of head tensors, and MTP decoding of text prompts.
+"""mlx-vlm adapter: load-time strip-and-keep of head tensors, MTP decoding, and MTP lanes in its server.
 
 mlx-vlm 0.6.5–0.6.8 shifts RMSNorms a second time when it sees ``mtp.*`` keys, and loads every
 ``*.safetensors`` in the directory (a sidecar ``mtp.safetensors`` included). Each handled model
 class's ``sanitize`` is wrapped so it never sees head tensors; ``load_model`` is wrapped to keep
 the head on ``model.mtp_head``. Decoding: capture points in the language models' GatedDeltaNet
-layers, and ``generate_step`` / ``generate`` wrapped (``mlx_vlm_decoding.py``).
+layers, and ``generate_step`` / ``generate`` wrapped (``mlx_vlm_decoding.py``); ``mlx_vlm.server``'s generation
+thread once it is imported (``mlx_vlm_server.py``).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import sys
 import threading
 from pathlib import Path
 
@@ -18,10 +20,13 @@ from mtp_plugin.hookspecs import hookimpl
 
 from . import capture
 from .mlx_vlm_decoding import cli_argparse, mtp_generate_step, print_summary
+from .mlx_vlm_server import patch_server
 from .patching import Patches, claiming, version_in_range, wrap_sanitizers
 
 TESTED = ("0.6.5", "0.8")
 _patches = Patches()
+_server_patches = Patches()
+_captured: dict[str, bool] = {}  # ``capture.install``'s answer: model types whose trunk layers are captured
 _lock = threading.RLock()  # re-entered when patching imports the runtime itself
 
 
@@ -41,18 +46,20 @@ def _keep_head(load_model):
 
 @hookimpl
 def mtp_patch_runtime(runtime):
-    """Wrap ``sanitize`` of every handled model class, ``mlx_vlm.utils.load_model`` and the decoding entry points."""
+    """Wrap ``sanitize`` of every handled model class, ``mlx_vlm.utils.load_model``, the decoding entry points and,
+    once ``mlx_vlm.server`` is imported, its generation thread (``mlx_vlm_server``)."""
     with _lock:
-        if runtime not in (None, "mlx_vlm") or not version_in_range("mlx-vlm", *TESTED):
+        if runtime not in (None, "mlx_vlm", "mlx_vlm.server") or not version_in_range("mlx-vlm", *TESTED):
             return
         import mlx_vlm.utils  # may re-enter this hook through the post-import hook
 
-        if _patches.active:
-            return
-
-        wrap_sanitizers(_patches, "mlx_vlm")
-        _patches.wrap(mlx_vlm.utils, "load_model", _keep_head)
-        _patch_decoding()
+        if not _patches.active:
+            wrap_sanitizers(_patches, "mlx_vlm")
+            _patches.wrap(mlx_vlm.utils, "load_model", _keep_head)
+            _captured.update(_patch_decoding())
+        # the server once it has executed: its post-import hook, or a later ``patch()``
+        if runtime != "mlx_vlm" and "mlx_vlm.server" in sys.modules and not _server_patches.active:
+            patch_server(_server_patches, _captured)
 
 
 def _patch_decoding():
@@ -68,6 +75,7 @@ def _patch_decoding():
     for module in (dispatch, package, mlx_vlm):
         _patches.wrap(module, "generate", print_summary)
     _patches.wrap(dispatch, "argparse", cli_argparse)
+    return captured
 
 
 @hookimpl
@@ -85,4 +93,6 @@ def mtp_new_caches(model):
 def mtp_unpatch_runtime():
     """Restore stock mlx-vlm."""
     with _lock:
+        _server_patches.restore()
         _patches.restore()
+        _captured.clear()

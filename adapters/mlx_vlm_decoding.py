@@ -94,15 +94,20 @@ def _stock_reason(model, args: dict, extra: dict) -> str | None:
     return None
 
 
-def prompt_inputs(model, args: dict, extra: dict, one_pass: bool) -> PromptInputs:
-    """The prompt pass as mlx-vlm's ``generate_step`` runs it (``one_pass``: not chunked): ``model.
+def prompt_inputs(model, args: dict, extra: dict) -> PromptInputs:
+    """The prompt pass as mlx-vlm's ``generate_step`` runs it: ``model.
     get_input_embeddings`` (media features merged, multimodal positions), its output's fields joining the caller's
-    keywords (on mlx-vlm ≥ 0.7 the caller's own ``position_ids`` / ``rope_deltas`` win, ``CALLER_POSITIONS_WIN``)."""
+    keywords (on mlx-vlm ≥ 0.7 the caller's own ``position_ids`` / ``rope_deltas`` win, ``CALLER_POSITIONS_WIN``).
+    When ``extra`` already holds that call's output (``inputs_embeds`` and its fields, as mlx-vlm's server passes
+    them), it is used as it is."""
+    run = functools.partial(_language_model_pass, model.language_model)
+    if "inputs_embeds" in extra:  # the caller ran ``get_input_embeddings`` itself (mlx-vlm's server)
+        keywords = dict(extra)
+        return PromptInputs(keywords.pop("inputs_embeds"), run, keywords)
     explicit = {k: extra[k] for k in POSITION_KWARGS if k in extra} if CALLER_POSITIONS_WIN else {}
     output = model.get_input_embeddings(args["input_ids"], args["pixel_values"], mask=args["mask"], **extra)
     fields = {k: v for k, v in output.to_dict().items() if k != "inputs_embeds" and v is not None}
-    return PromptInputs(output.inputs_embeds, functools.partial(_language_model_pass, model.language_model),
-                        {**extra, **fields, **explicit}, one_pass)
+    return PromptInputs(output.inputs_embeds, run, {**extra, **fields, **explicit})
 
 
 def _language_model_pass(language_model, tokens: mx.array, cache: list, keywords: dict) -> mx.array:
@@ -129,7 +134,7 @@ def _processors(ar, args: dict) -> list:
     return processors + list(args.get("logits_processors") or [])
 
 
-def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict | None:
+def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, positioned: bool | None = None) -> dict | None:
     """Options for ``mtp_generate_step`` from bound ``generate_step`` arguments, or None for stock decoding.
 
     Args:
@@ -139,6 +144,8 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict 
         depth: draft depth 1-8 or a depth policy; 0 or None: adaptive (``tuning.depth_policy``).
         args: ``generate_step``'s named arguments, defaults applied.
         extra: its other keywords (those it passes on to the model), None values dropped.
+        positioned: whether the sampler is mlx-vlm's position-keyed one (``mlx_vlm_sampling.sampling``); None: as
+            ``generate_step`` chooses it.
     """
     reason = _stock_reason(model, args, extra)
     if reason is not None:
@@ -149,7 +156,7 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict 
     from mlx_vlm.models.cache import KVCache, make_prompt_cache
 
     temperature, top_p, top_k = _sampling_parameters(ar, model, args)
-    sampled = sampling(ar, args, temperature, top_p, top_k) if temperature > 0 else None
+    sampled = sampling(ar, args, temperature, top_p, top_k, positioned) if temperature > 0 else None
     if sampled is not None and (depth is None or (type(depth) is int and depth == 0)):
         # A seed must fix the tokens, as in stock mlx-vlm: the depth of a sampled generation may not depend on
         # timing (the adaptive controller); the tuned depth, fixed (tuned plain: stock decoding).
@@ -172,10 +179,11 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict) -> dict 
         "logits_processors": _processors(ar, args),
         "prefill_step_size": step or prompt_size,
         "prefill_history": not chunked,
+        "one_pass": not chunked,
         "prompt_progress_callback": prefill_bar() if chunked and args.get("verbose") else None,
         "stats": loaded.stats,
         # a trunk without multimodal positions (Qwen3-Next) takes text only: its plain token pass is mlx-vlm's own
-        "prompt_inputs": prompt_inputs(model, args, extra, one_pass=not chunked) if multimodal(model) else None,
+        "prompt_inputs": prompt_inputs(model, args, extra) if multimodal(model) else None,
     }
 
 

@@ -51,7 +51,8 @@ def _positioned_top_k(ar) -> bool:
     return "top_k" in inspect.signature(ar._PositionedTargetSampler).parameters
 
 
-def sampling(ar, args: dict, temperature: float, top_p: float | None, top_k: int | None) -> Sampling:
+def sampling(ar, args: dict, temperature: float, top_p: float | None, top_k: int | None,
+             positioned: bool | None = None) -> Sampling:
     """The distribution ``generate_step`` samples from for ``args``, with mlx-vlm's own filters.
 
     Args:
@@ -60,17 +61,21 @@ def sampling(ar, args: dict, temperature: float, top_p: float | None, top_k: int
             ``typical_p``, ``seed``).
         temperature, top_p, top_k: as ``generate_step`` resolves them (mlx-vlm 0.7 fills unset ones from the
             checkpoint's generation defaults); temperature > 0.
+        positioned: whether the sampler is the position-keyed one (mlx-vlm's server picks it with or without a
+            seed); None: ``generate_step``'s own choice. Its draws are keyed only with a seed.
     """
     from mlx_vlm import sample_utils as su
 
     temp = getattr(su, "clamp_temperature", lambda t: t)(temperature)
     nucleus = top_p is not None and 0 < top_p < 1.0
     top_k = top_k if top_k and top_k > 0 else None
-    if _positioned(ar, args, temp):
+    if _positioned(ar, args, temp) if positioned is None else positioned:
         with_top_k = top_k and _positioned_top_k(ar)
-        sampler = ar._PositionedTargetSampler(temperature=temp, top_p=top_p, seed=args["seed"],
-                                              **({"top_k": top_k} if with_top_k else {}))
-        keyed = functools.partial(_keyed_draws, sampler)
+        keyed = None
+        if args.get("seed") is not None:
+            sampler = ar._PositionedTargetSampler(temperature=temp, top_p=top_p, seed=args["seed"],
+                                                  **({"top_k": top_k} if with_top_k else {}))
+            keyed = functools.partial(_keyed_draws, sampler)
         filters = [functools.partial(su.apply_top_k, top_k=top_k)] if with_top_k else []
         if nucleus:
             filters += [functools.partial(_scaled_log_softmax, temp=temp),

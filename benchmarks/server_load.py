@@ -1,7 +1,12 @@
-"""Server load benchmark: stock ``mlx_lm.server`` against the plugin's, same model, same mixed workload.
+"""Server load benchmark: a stock server against the plugin's, same model, same mixed workload.
 
     python benchmarks/server_load.py [--model examples/tiny-qwen3_5/hf] [--concurrency 1 2 4 8]
                                      [--requests 8] [--repeats 3] [--time-cap 900] [--out benchmarks/results]
+    python benchmarks/server_load.py --runtime mlx_vlm --model build/tiny-qwen3_5-vl [--image picture.png]
+
+``--runtime mlx_lm`` (default) runs ``mlx_lm.server`` with completions; ``mlx_vlm`` runs ``mlx_vlm.server`` with
+chat completions (the model a vision checkpoint such as ``examples/add_vision_tower.py`` writes; ``--image``
+attaches a picture to every other request).
 
 Starts three servers on loopback ports: stock (``MTP_PLUGIN_DISABLE=1``), a second stock one (the control), and
 the plugin's. For each concurrency c, c clients each send ``--requests`` greedy completions that alternate long
@@ -15,8 +20,11 @@ repeats of one run. Bounded: a fixed number of requests, ``--time-cap`` seconds 
 """
 
 import argparse
+import base64
 import datetime
+import importlib.metadata
 import json
+import mimetypes
 import os
 import socket
 import statistics
@@ -39,16 +47,17 @@ LONG, SHORT = 128, 16
 
 
 class Server:
-    """An ``mlx_lm.server`` subprocess on a free loopback port."""
+    """An ``mlx_lm.server`` or ``mlx_vlm.server`` subprocess on a free loopback port."""
 
-    def __init__(self, model: Path, stock: bool, log: Path, extra: tuple[str, ...] = ()):
+    def __init__(self, runtime: str, model: Path, stock: bool, log: Path, extra: tuple[str, ...] = ()):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if k != "MTP_PLUGIN_DISABLE"}
         if stock:
             env["MTP_PLUGIN_DISABLE"] = "1"
-        command = [str(Path(sys.executable).parent / "mlx_lm.server"), "--model", str(model),
+        self.runtime, self.model = runtime, str(model)
+        command = [sys.executable, "-m", f"{runtime}.server", "--model", str(model),
                    "--host", "127.0.0.1", "--port", str(self.port), *extra]
         self.log = log.open("w")
         self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -63,9 +72,15 @@ class Server:
                 time.sleep(0.3)
 
     def complete(self, body: dict) -> tuple[float, dict]:
-        """Seconds to the whole answer, and the answer."""
+        """Seconds to the whole answer, and the answer (``body``: a completion; mlx-vlm is sent it as a chat)."""
+        path = "/v1/completions"
+        if self.runtime == "mlx_vlm":
+            path, image = "/v1/chat/completions", body.pop("image", None)
+            content = body.pop("prompt") if image is None else [{"type": "image_url", "image_url": {"url": image}},
+                                                                {"type": "text", "text": body.pop("prompt")}]
+            body = {**body, "model": self.model, "messages": [{"role": "user", "content": content}]}
         data = json.dumps(body).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=data,
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
                                          headers={"Content-Type": "application/json"})
         start = time.perf_counter()
         with urllib.request.urlopen(request, timeout=600) as r:
@@ -78,14 +93,17 @@ class Server:
         self.log.close()
 
 
-def workload(clients: int, requests: int) -> list[list[dict]]:
-    """Per client, its requests in order: long and short alternating (odd clients start short)."""
+def workload(clients: int, requests: int, image: str | None = None) -> list[list[dict]]:
+    """Per client, its requests in order: long and short alternating (odd clients start short); with ``image`` (a
+    data URL), every other request carries it."""
     out = []
     for c in range(clients):
         bodies = []
         for i in range(requests):
             n = LONG if (i + c) % 2 == 0 else SHORT
             bodies.append({"prompt": PROMPTS[(c + i) % len(PROMPTS)], "max_tokens": n, "temperature": 0.0})
+            if image is not None and (c + i // 2) % 2:
+                bodies[-1]["image"] = image
         out.append(bodies)
     return out
 
@@ -103,8 +121,8 @@ def run_load(server: Server, load: list[list[dict]]) -> dict:
     short = sorted(seconds for n, seconds, _ in answers if n == SHORT)
     timings = [a.get("timings", {}) for _, _, a in answers]
     return {"tok_s": tokens / wall, "tokens": tokens, "short": short,
-            "drafted": sum(t.get("draft_n", 0) for t in timings),
-            "accepted": sum(t.get("draft_n_accepted", 0) for t in timings)}
+            "drafted": sum(t.get("draft_n") or 0 for t in timings),
+            "accepted": sum(t.get("draft_n_accepted") or 0 for t in timings)}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -114,7 +132,9 @@ def percentile(values: list[float], q: float) -> float:
 def main() -> None:
     """Parse arguments, run both servers through every concurrency, print (and maybe write) the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runtime", choices=["mlx_lm", "mlx_vlm"], default="mlx_lm", help="whose server")
     parser.add_argument("--model", type=Path, default=REPO / "examples" / "tiny-qwen3_5" / "hf")
+    parser.add_argument("--image", type=Path, help="mlx_vlm: a picture every other request carries")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--requests", type=int, default=8, help="requests per client (default 8)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per server and concurrency")
@@ -124,11 +144,17 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.concurrency) < 1 or args.requests < 1 or args.repeats < 1:
         parser.error("--concurrency, --requests and --repeats must be at least 1")
+    if args.image is not None and args.runtime != "mlx_vlm":
+        parser.error("--image needs --runtime mlx_vlm")
+    image = None
+    if args.image is not None:
+        kind = mimetypes.guess_type(args.image.name)[0] or "image/png"
+        image = f"data:{kind};base64," + base64.b64encode(args.image.read_bytes()).decode()
 
     logs = Path(tempfile.mkdtemp(prefix="mtp-server-load-"))
-    servers = {"stock": Server(args.model, True, logs / "stock.log"),
-               "control": Server(args.model, True, logs / "control.log"),
-               "plugin": Server(args.model, False, logs / "plugin.log", tuple(args.plugin_args.split()))}
+    servers = {"stock": Server(args.runtime, args.model, True, logs / "stock.log"),
+               "control": Server(args.runtime, args.model, True, logs / "control.log"),
+               "plugin": Server(args.runtime, args.model, False, logs / "plugin.log", tuple(args.plugin_args.split()))}
     deadline = time.monotonic() + args.time_cap
     rows = []
     try:
@@ -142,7 +168,7 @@ def main() -> None:
                 break
             names = list(servers)
             for name in names[r % 3:] + names[: r % 3]:
-                results[c][name].append(run_load(servers[name], workload(c, args.requests)))
+                results[c][name].append(run_load(servers[name], workload(c, args.requests, image)))
         for c in args.concurrency:
             stock, control, plugin = (results[c][name] for name in ("stock", "control", "plugin"))
             runs = min(len(stock), len(control), len(plugin))
@@ -167,12 +193,17 @@ def main() -> None:
         for server in servers.values():
             server.stop()
 
-    header = [f"server load: {args.model.name}, greedy, {args.requests} requests per client (long {LONG} / short "
-              f"{SHORT} tokens alternating), median of {args.repeats} interleaved runs"
+    versions = tuning.versions()
+    if args.runtime == "mlx_vlm":
+        versions["mlx-vlm"] = importlib.metadata.version("mlx-vlm")
+    header = [f"server load: {args.runtime}.server, {args.model.name}, greedy, {args.requests} requests per client "
+              f"(long {LONG} / short {SHORT} tokens alternating"
+              + (f"; every other one with {args.image.name}" if image else "")
+              + f"), median of {args.repeats} interleaved runs"
               + (f", plugin server {args.plugin_args}" if args.plugin_args else ""),
               f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
               f"machine: {json.dumps(tuning.machine())}, {os.cpu_count()} CPUs",
-              f"versions: {json.dumps(tuning.versions())}",
+              f"versions: {json.dumps(versions)}",
               "clients  stock tok/s  plugin tok/s  ratio  control | short p50 s: stock plugin ratio control"
               " | short p95 s: stock plugin | acceptance drafted/token"]
     lines = [f"{c:7d}  {s:11.1f}  {p:12.1f}  {ratio:5.2f}  {aa:7.2f} | {s50:18.3f} {p50:6.3f} {r50:5.2f} {a50:7.2f} | "
@@ -183,7 +214,8 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         device = tuning.machine()["device_name"].replace(" ", "-")
-        path = args.out / f"{datetime.date.today().isoformat()}-{device}-server-load-{args.model.name}.txt"
+        runtime = "" if args.runtime == "mlx_lm" else f"{args.runtime}-"
+        path = args.out / f"{datetime.date.today().isoformat()}-{device}-{runtime}server-load-{args.model.name}.txt"
         path.write_text(text)
         print(f"written to {path}")
 

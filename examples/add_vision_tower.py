@@ -23,7 +23,19 @@ from pathlib import Path
 
 VISION = dict(model_type="qwen3_5", depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
               spatial_merge_size=2, temporal_patch_size=2, in_channels=3, num_position_embeddings=16)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+# Qwen's chat template, reduced to the roles and the media placeholders its processor expands
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] in ('video', 'video_url') %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen's image processor at the tower's patch geometry, with few pixels so that an image is a few tokens
+PROCESSOR = dict(image_processor_type="Qwen2VLImageProcessor", patch_size=16, merge_size=2, temporal_patch_size=2,
+                 min_pixels=32 * 32, max_pixels=64 * 64, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
 
 
 def add_vision_tower(source: Path, out: Path, seed: int = 0) -> dict:
@@ -64,7 +76,32 @@ def add_vision_tower(source: Path, out: Path, seed: int = 0) -> dict:
     for name in TOKENIZER_FILES:
         if (source / name).exists():
             shutil.copy(source / name, out / name)
+    _add_vision_tokens(out, vocab)
     return config
+
+
+def _add_vision_tokens(out: Path, vocab: int) -> None:
+    """Make the vocabulary's four last ids the special tokens Qwen's processor inserts for media (the BPE entries
+    there, and the merges that build or use them, give way), and give the chat template media placeholders, so
+    that mlx-vlm's processor and server take real image and video files."""
+    path = out / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    ids = {token: vocab - 4 + i for i, token in enumerate(VISION_TOKENS)}
+    model = tokenizer["model"]
+    by_id = {i: text for text, i in model["vocab"].items()}
+    replaced = {by_id[i] for i in ids.values() if i in by_id}
+    model["vocab"] = {text: i for text, i in model["vocab"].items() if text not in replaced} | ids
+    pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"]]
+    model["merges"] = [m for m, (a, b) in zip(model["merges"], pairs, strict=True)
+                       if not {a, b, a + b} & replaced]
+    tokenizer["added_tokens"] += [dict(id=i, content=token, single_word=False, lstrip=False, rstrip=False,
+                                       normalized=False, special=True) for token, i in ids.items()]
+    path.write_text(json.dumps(tokenizer, ensure_ascii=False))
+    settings_path = out / "tokenizer_config.json"
+    settings = json.loads(settings_path.read_text())
+    settings["chat_template"] = CHAT_TEMPLATE
+    settings_path.write_text(json.dumps(settings, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps(PROCESSOR, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:

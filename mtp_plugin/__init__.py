@@ -15,8 +15,8 @@ def patch(runtime: str | None = None) -> None:
     """Install the runtime patches of every plugin.
 
     Args:
-        runtime: ``"mlx_lm"``, ``"mlx_lm.server"`` or ``"mlx_vlm"`` to patch just that runtime (the
-            post-import hook does this as each is imported); None patches every installed runtime.
+        runtime: ``"mlx_lm"``, ``"mlx_lm.server"``, ``"mlx_vlm"`` or ``"mlx_vlm.server"`` to patch just that
+            runtime (the post-import hook does this as each is imported); None patches every installed runtime.
     """
     from .plugins import hook
 

@@ -353,6 +353,7 @@ def generate(
     prefill_step_size: int = 2048,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
     prefill_history: bool = True,
+    one_pass: bool = False,
     stats: MTPStats | None = None,
     health: HeadHealth | None = None,
     cache_step: Callable[[list], int | None] | None = None,
@@ -381,6 +382,10 @@ def generate(
         prompt_progress_callback: ``callback(processed, total)`` during prefill.
         prefill_history: whether logits processors see the whole prompt (mlx-lm ≥ 0.32) or only the
             tokens after the chunked prefill, i.e. the last prompt token (earlier mlx-lm).
+        one_pass: the prompt is fed in one trunk pass, as mlx-vlm 0.6 runs a prompt no longer than its prefill
+            step; otherwise all but the last token (in chunks of ``prefill_step_size``), then the last, as mlx-lm
+            and mlx-vlm 0.7 do. A runtime's multi-token and single-token passes may round differently (mlx-vlm
+            0.6's GatedDeltaNet scans a multi-token pass in chunks), so the split follows the runtime's.
         stats: counters to fill (a fresh ``MTPStats`` if None).
         health: the loaded head's ``HeadHealth`` (a fresh one if None): a cycle whose head output is not
             finite counts as rejected and parks the head, as does acceptance under 2 % over its first
@@ -413,10 +418,10 @@ def generate(
     if health.parked:
         drafter.stop()
 
-    # Prefill exactly as plain decoding chunks it: all but the last prompt token, then the last.
+    # Prefill exactly as plain decoding chunks it: all but the last prompt token, then the last (or all in one).
     total, done, carry = prompt.size, 0, None
     callback(0, total)
-    while total - done > 1:
+    while total - done > 1 and not one_pass:
         chunk = prompt[done : done + min(prefill_step_size, total - done - 1)]
         carry = drafter.prefill(carry, trunk.hidden(chunk[None], cache), chunk)
         loop.after_pass()

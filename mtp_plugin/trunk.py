@@ -41,24 +41,16 @@ class PromptInputs:
         keywords: what the runtime passes its language model with every prompt pass (mlx-vlm: the embedding
             output's fields such as ``position_ids`` (3, 1, T') and ``rope_deltas``, ``image_grid_thw`` and the
             caller's other model keywords); later passes get none, as in the runtime's own loop.
-        one_pass: the runtime runs the whole prompt in one pass (mlx-vlm without chunked prefill), where the loop
-            feeds it in two (all but the last token, then the last): prompt-long ``position_ids`` then apply to
-            the prompt's tokens as they stand, where a shorter pass would have the runtime slice them from the
-            cache's offset.
     """
 
     embeddings: mx.array
     run: Callable[[mx.array, list, dict], mx.array]
     keywords: dict = field(default_factory=dict)
-    one_pass: bool = False
 
     def pass_keywords(self, start: int, stop: int) -> dict:
-        """The keywords of the pass feeding prompt tokens ``start .. stop-1``, their embeddings included."""
-        keywords = {**self.keywords, "inputs_embeds": self.embeddings[:, start:stop]}
-        positions = keywords.get("position_ids")
-        if self.one_pass and positions is not None and positions.shape[-1] == self.embeddings.shape[1]:
-            keywords["position_ids"] = positions[..., start:stop]
-        return keywords
+        """The keywords of the pass feeding prompt tokens ``start .. stop-1``, their embeddings included (the
+        runtime slices prompt-long positions from its cache's offset)."""
+        return {**self.keywords, "inputs_embeds": self.embeddings[:, start:stop]}
 
     def head_positions(self, start: int, length: int) -> mx.array | None:
         """Multimodal rotary positions (3, 1, length), int32, for the head's pairs ``start .. start+length-1`` (pair

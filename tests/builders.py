@@ -1,12 +1,15 @@
 """Tiny random Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoints built with the runtimes' own classes.
 
 Each is saved the way a converted MLX checkpoint is (MLX layout, absolute RMSNorm scales), with the
-head placed under a chosen name form and file, and a head-less twin to compare against.
+head placed under a chosen name form and file, and a head-less twin to compare against; and images to prompt
+vision checkpoints with.
 """
 
 from __future__ import annotations
 
 import json
+import struct
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -164,3 +167,14 @@ def caches_after_close(model: nn.Module, prompt: list[int], stop: int, common: d
         generator.close()
         caches.append(cache_arrays(cache))
     return caches[0], caches[1]
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """An RGB PNG image (a colour gradient), encoded with zlib as the PNG format defines it."""
+    rows = b"".join(b"\x00" + bytes((x * 7 + seed) % 256 for x in range(3 * width)) for _ in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))

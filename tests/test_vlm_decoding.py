@@ -9,13 +9,14 @@ import importlib
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
+from builders import build_head, build_model, config_for, png, save_checkpoint, trunk_weights
 from mlx_vlm.utils import load_model
 from mtp_plugin.adapters.mlx_vlm_decoding import CONTINUES_CACHED_POSITIONS
 from mtp_plugin.adapters.patching import release
@@ -223,6 +224,18 @@ def test_media_prompt_greedy_identical_to_stock(trained_vlm_model, media, depth)
     assert stats.accepted > 0 or depth is None  # the adaptive controller may park on this CPU's timings
 
 
+@pytest.mark.parametrize("text", ["def read_config(path):\n", "class Parser:\n", "def parse(text):\n"])
+def test_prompt_passes_split_as_mlx_vlms(trained_vlm_model, text):
+    """The prompt runs in mlx-vlm's own passes: on 0.6 one pass when it is not chunked (its GatedDeltaNet scans a
+    multi-token pass in chunks, whose bfloat16 rounding differs from a single-token step: all but the last token
+    then the last gave another token on a near tie for these prompts), on 0.7 all but the last, then the last."""
+    model, _, tokenizer, _ = trained_vlm_model
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    plain = tokens(model, prompt, max_tokens=32, enable_mtp=False)
+    for depth in (1, 2, 3):
+        assert tokens(model, prompt, max_tokens=32, mtp_depth=depth) == plain, depth
+
+
 def test_head_positions_are_the_trunks_after_an_image(trained_vlm_model, monkeypatch):
     """Every pair the head sees, in the prompt's image, after it and while drafting, carries the multimodal rotary
     position mlx-vlm's trunk gave the same token (the image compresses positions: they fall behind the token
@@ -399,6 +412,24 @@ def test_cli_help_lists_the_mtp_flags():
     """On every mlx-vlm version, its own parser (built inside ``parse_arguments``) carries the flags."""
     out = subprocess.run([*CLI[:4], "--help"], capture_output=True, text=True, timeout=300, check=True).stdout
     assert "--mtp-depth N" in out and "--no-mtp" in out
+
+
+@pytest.mark.parametrize("flags", [("--mtp-depth", "2"), ()], ids=["depth2", "auto"])
+def test_cli_with_an_image_file(trained_vlm_model, tmp_path, flags):
+    """``python -m mlx_vlm generate --image FILE``: mlx-vlm's processor reads the file and inserts the image
+    tokens, MTP decodes, and the text is the one stock mlx-vlm prints for the checkpoint without its head."""
+    path = trained_vlm_model[3]
+    image, headless = tmp_path / "image.png", tmp_path / "headless"
+    image.write_bytes(png(64, 48, 5))
+    shutil.copytree(path, headless, ignore=shutil.ignore_patterns("mtp.safetensors"))
+    command = [*CLI[:4], "--image", str(image), "--prompt", "def main():\n", "--max-tokens", "24",
+               "--temperature", "0", "--verbose", "--model"]
+    stock = subprocess.run([*command, str(headless)], capture_output=True, text=True, timeout=300, check=True,
+                           env={**os.environ, "MTP_PLUGIN_DISABLE": "1"})
+    mtp = subprocess.run([*command, str(path), *flags], capture_output=True, text=True, timeout=300, check=True)
+    assert "MTP on: head from mtp.safetensors" in mtp.stderr and "\nMTP: depth=" in mtp.stdout
+    text = mtp.stdout.split("==========")[1]
+    assert text == stock.stdout.split("==========")[1] and "<|image_pad|>" in text  # prompt and generated text
 
 
 PREFILL_BAR = re.compile(r"Prefill:\s+\d+%\|[^|]*\| (\d+)/(\d+) ")

@@ -1,0 +1,364 @@
+"""mlx-vlm adapter, server: requests decode with MTP beside mlx-vlm's continuous batching.
+
+mlx-vlm's server (``mlx_vlm.server``) runs every request through one ``BatchGenerator`` on its generation thread.
+For a model with a loaded head, that generator is wrapped (``Lanes``): a request that asks for MTP takes a lane,
+the single-stream MTP loop of ``mlx_vlm_decoding`` run on the embeddings, positions and logits processors the
+server computed for it (images and video included); every other request joins mlx-vlm's own batch. Lanes are
+not batched with each other or with the batch, and where MTP does not pay a lane is slower than mlx-vlm's batch
+even for a lone request (``benchmarks/server_load.py --runtime mlx_vlm``), so MTP is asked for: a
+request's ``enable_mtp: true`` or ``mtp_depth: N``, or the server's ``--mtp-depth N`` for requests that say
+nothing (``--no-mtp``: none; ``enable_mtp: false`` refuses a lane), validated as for mlx-lm
+(``mlx_lm_server.parse_request``).
+
+A lane samples as the server's own sampler for that request (``ResponseGenerator._make_sampler``: the
+position-keyed sampler, keyed only with a ``seed``, or ``make_sampler`` with top-nσ, p-less or typical-p), by
+exact rejection sampling. What a lane does not reproduce stays in the batch: log-probs, thinking budgets,
+mlx-vlm's prefix cache (``apc_manager``), quantized KV caches, a trunk without multimodal positions. On mlx-vlm
+≥ 0.7 a lane's final response carries ``timings.draft_n`` / ``draft_n_accepted`` (its response schema's fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mtp_plugin.plugins import hook
+
+from .capture import rollback_ready
+from .mlx_lm_decoding import CLI
+from .mlx_lm_server import MTPRequest, MTPRequestError, parse_request, strip_cli_flags
+from .mlx_vlm_decoding import decoding_options
+from .patching import release
+
+log = logging.getLogger("mtp_plugin")
+_serving = threading.local()  # the server and request the generation thread is about to insert
+# mlx-vlm 0.7's server samples with top-k; 0.6's ignores a request's top_k
+SERVER_TOP_K = release("mlx-vlm") >= (0, 7, 0)
+# The server's ``make_sampler`` options, each with its stock default: any set one picks ``make_sampler``
+FILTER_OPTIONS = {"top_n_sigma": 0.0, "p_less": False, "typical_p": 1.0}
+KV_OPTIONS = ("kv_bits", "kv_key_bits", "kv_value_bits")
+
+
+def read_request_options(build_gen_args):
+    """Wrap ``request_normalization._build_gen_args``: the request's ``enable_mtp`` / ``mtp_depth`` ride on the
+    returned ``GenerationArguments`` as ``mtp`` (an ``MTPRequest``); a bad value is answered with HTTP 400 and the
+    ``MTPRequestError`` message (every endpoint passes a FastAPI ``HTTPException`` through)."""
+
+    @functools.wraps(build_gen_args)
+    def wrapper(request, *args, **kwargs):
+        from fastapi import HTTPException
+
+        try:
+            options = parse_request(getattr(request, "model_extra", None) or {})
+        except MTPRequestError as e:
+            raise HTTPException(status_code=400, detail=str(e)) from e
+        gen_args = build_gen_args(request, *args, **kwargs)
+        gen_args.mtp = options
+        return gen_args
+
+    return wrapper
+
+
+def note_request(log_prefill_started):
+    """Wrap ``ResponseGenerator._log_prefill_started``, called on the generation thread just before a request is
+    embedded and inserted: ``Lanes`` reads which server and request the next ``insert`` is for."""
+
+    @functools.wraps(log_prefill_started)
+    def wrapper(self, request, *args, **kwargs):
+        _serving.current = (self, request)
+        return log_prefill_started(self, request, *args, **kwargs)
+
+    return wrapper
+
+
+def with_lanes(batch_generator, captured: dict[str, bool]):
+    """Replace the server's ``BatchGenerator``: mlx-vlm's own, wrapped in ``Lanes`` when the served model has a
+    head whose trunk can be rolled back (``captured``: ``capture.install``'s answer) and no drafter of mlx-vlm's
+    own was asked for."""
+
+    @functools.wraps(batch_generator)
+    def make(model, *args, **kwargs):
+        stock = batch_generator(model, *args, **kwargs)
+        server, _ = getattr(_serving, "current", (None, None))
+        full = getattr(server, "model", None)
+        loaded = getattr(full, "mtp_head", None)
+        if loaded is None or full.language_model is not model or kwargs.get("draft_model") is not None:
+            return stock  # no head, or mlx-vlm's own drafter asked for (``--draft-model``)
+        if not rollback_ready(captured, loaded.location.model_type):
+            return stock
+        return Lanes(stock, full, kwargs)
+
+    return make
+
+
+def report_counters(step):
+    """Wrap ``ResponseGenerator._step`` (mlx-vlm ≥ 0.7): a lane's request reports its draft counters through the
+    server's speculative fields (``speculative_stats_since`` reads its ``LaneCounters``)."""
+
+    @functools.wraps(step)
+    def wrapper(self, batch_gen, active, *args, **kwargs):
+        for uid, lane in getattr(batch_gen, "lanes", {}).items():
+            if uid in active and active[uid].get("spec_snapshot") is None:
+                active[uid]["spec_snapshot"] = LaneCounters(lane.stats)
+        return step(self, batch_gen, active, *args, **kwargs)
+
+    return wrapper
+
+
+@dataclass
+class LaneCounters:
+    """A lane's draft counters, standing where the server keeps a drafter's snapshot (``spec_snapshot``)."""
+
+    stats: object  # the lane's ``MTPStats``
+
+
+def lane_counters(stats_since):
+    """Wrap ``speculative_stats_since(draft_model, snapshot) -> (rounds, accepted, drafted)``: a lane's counters."""
+
+    @functools.wraps(stats_since)
+    def wrapper(draft_model, snapshot, *args, **kwargs):
+        if isinstance(snapshot, LaneCounters):
+            stats = snapshot.stats
+            return stats.cycles, stats.accepted, stats.drafted
+        return stats_since(draft_model, snapshot, *args, **kwargs)
+
+    return wrapper
+
+
+class OwnPositions:
+    """A lane's language-model pass (``trunk.PromptInputs.run``) with the lane's own multimodal position state.
+
+    mlx-vlm's Qwen language models keep the last prompt's rope deltas and positions on the model object, and
+    derive each later pass's positions from them; the batch and other lanes run between a lane's passes. Each
+    pass therefore sees the state this lane's earlier passes left (none before its prompt, as in a fresh
+    process) and leaves the model's state as it found it.
+    """
+
+    STATE = ("_rope_deltas", "_position_ids")
+
+    def __init__(self, run, language_model):
+        self.run, self.language_model = run, language_model
+        self.state = {name: None for name in self.STATE if hasattr(language_model, name)}
+
+    def __call__(self, tokens: mx.array, cache: list, keywords: dict) -> mx.array:
+        others = {name: getattr(self.language_model, name) for name in self.state}
+        for name, value in self.state.items():
+            setattr(self.language_model, name, value)
+        try:
+            return self.run(tokens, cache, keywords)
+        finally:
+            self.state = {name: getattr(self.language_model, name) for name in self.state}
+            for name, value in others.items():
+                setattr(self.language_model, name, value)
+
+
+@dataclass
+class PromptDone:
+    """A lane's prompt response, read by the server as mlx-vlm's own (``uid``, ``prompt_tps`` …)."""
+
+    uid: int
+    prompt_tokens: int
+    prompt_time: float
+    prompt_tps: float
+    cached_tokens: int = 0
+
+
+class Lane:
+    """One request decoding with MTP: its generator, the tokens it emitted and its stop rules.
+
+    Args:
+        uid: the request's id among the server generator's.
+        tokens: the MTP loop's generator of ``(token, logprobs)``; it runs the prompt pass on the first draw.
+        stats: its ``MTPStats``.
+        max_tokens: the request's limit.
+        stop: mlx-vlm's stop test of a token id (the batch's ``stopping_criteria``).
+        prompt_tokens: prompt length, for the prompt response.
+    """
+
+    def __init__(self, uid: int, tokens, stats, max_tokens: int, stop, prompt_tokens: int):
+        self.uid, self.tokens, self.stats, self.max_tokens, self.stop = uid, tokens, stats, max_tokens, stop
+        self.prompt_tokens, self.emitted = prompt_tokens, 0
+
+    def step(self, response) -> tuple[list, list]:
+        """Draw one token: ``(prompt responses, responses)`` as mlx-vlm's ``BatchGenerator.next`` returns them
+        (``response``: its response class), the stop test before the length limit as in its ``GenerationBatch``."""
+        start = time.perf_counter()
+        drawn = next(self.tokens, None)  # (token, logprobs)
+        prompts = []
+        if not self.emitted:
+            seconds = time.perf_counter() - start
+            prompts.append(PromptDone(self.uid, self.prompt_tokens, seconds, self.prompt_tokens / max(seconds, 1e-9)))
+        if drawn is None:  # the loop ended at its own limit
+            return prompts, [response(uid=self.uid, token=None, token_logprob=0.0, finish_reason="length")]
+        token = int(drawn[0])
+        self.emitted += 1
+        reason = "stop" if self.stop(token) else "length" if self.emitted >= self.max_tokens else None
+        if reason is not None:
+            self.close()
+        return prompts, [response(uid=self.uid, token=token, token_logprob=0.0, finish_reason=reason)]
+
+    def close(self) -> None:
+        """Stop the generator (its caches are released)."""
+        self.tokens.close()
+
+
+class Lanes:
+    """mlx-vlm's server ``BatchGenerator`` with MTP lanes beside it: ``insert`` gives a request a lane when it
+    decodes with MTP (module docstring), ``next`` steps the batch and then every lane by one token; everything
+    else is the wrapped generator's.
+
+    Args:
+        stock: mlx-vlm's ``BatchGenerator``.
+        model: the mlx-vlm model (with its loaded head).
+        settings: the keywords the server built the generator with (KV quantization, prefill step, prefix cache).
+    """
+
+    def __init__(self, stock, model, settings: dict):
+        self.stock, self.model, self.settings = stock, model, settings
+        self.lanes: dict[int, Lane] = {}
+        self.ar = importlib.import_module("mlx_vlm.generate.ar")
+        self.response = self.ar.GenerationBatch.Response
+
+    def __getattr__(self, name):
+        return getattr(self.stock, name)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether the batch or a lane has anything left to decode."""
+        return bool(self.lanes) or self.stock.has_work
+
+    def insert(self, prompts, max_tokens=None, prompt_kwargs=None, logits_processors=None,
+               thinking_budget_criteria=None):
+        """mlx-vlm's ``insert``; a single request that decodes with MTP takes a lane (its uid from the same count)."""
+        _, request = getattr(_serving, "current", (None, None))
+        _serving.current = None
+        lane = None
+        if request is not None and len(prompts) == 1:
+            lane = self._lane(request, prompts[0], max_tokens, (prompt_kwargs or [{}])[0],
+                              (logits_processors or [None])[0], (thinking_budget_criteria or [None])[0])
+        if lane is None:
+            return self.stock.insert(prompts, max_tokens, prompt_kwargs=prompt_kwargs,
+                                     logits_processors=logits_processors,
+                                     thinking_budget_criteria=thinking_budget_criteria)
+        self.lanes[lane.uid] = lane
+        return [lane.uid]
+
+    @staticmethod
+    def _wanted(args) -> bool:
+        """Whether a request asks for MTP: its ``enable_mtp``, else a depth (its own ``mtp_depth`` or the server's
+        ``--mtp-depth N``) unless the server runs with ``--no-mtp``."""
+        options = getattr(args, "mtp", None) or MTPRequest()
+        if options.enabled is not None:
+            return options.enabled
+        return CLI["enabled"] and bool(options.depth or CLI["depth"])
+
+    def _stock_reason(self, args, thinking) -> str | None:
+        """Why a request that wants MTP joins the batch, or None."""
+        if args.logprobs:
+            return "log-probs"
+        if thinking is not None:
+            return "thinking budget"
+        if self.settings.get("apc_manager") is not None:
+            return "prefix cache"
+        if any(self.settings.get(option) is not None for option in KV_OPTIONS):
+            return "quantized KV cache"
+        return None
+
+    def _lane(self, request, prompt: list[int], max_tokens, keywords: dict, processors, thinking) -> Lane | None:
+        args = request.args
+        if not self._wanted(args):
+            return None
+        reason = self._stock_reason(args, thinking)
+        if reason is not None:
+            log.debug("mtp_plugin: server request with %s decodes in mlx-vlm's batch", reason)
+            return None
+        loaded = self.model.mtp_head
+        depth = (getattr(args, "mtp", None) or MTPRequest()).depth or CLI["depth"] or None
+        limit = max_tokens[0] if isinstance(max_tokens, list) else max_tokens or self.stock.max_tokens
+        named, extra, positioned = self._arguments(args, limit, processors or [], keywords)
+        input_ids = mx.array([prompt])
+        decoding = decoding_options(self.ar, self.model, loaded, depth, self._bind(input_ids, named), extra,
+                                    positioned)
+        if decoding is None:
+            return None
+        prompt_pass = decoding["prompt_inputs"]
+        if prompt_pass is not None:
+            own = OwnPositions(prompt_pass.run, self.model.language_model)
+            decoding["prompt_inputs"] = dataclasses.replace(prompt_pass, run=own)
+        tokens = hook().mtp_generate_step(prompt=input_ids[0], model=self.model, options=decoding)
+        if tokens is None:
+            return None
+        uid = self.stock.uid_count
+        self.stock.uid_count += 1
+        return Lane(uid, tokens, decoding["stats"], limit, self.stock.tokenizer.stopping_criteria, len(prompt))
+
+    def _arguments(self, args, limit: int, processors: list, keywords: dict) -> tuple[dict, dict, bool]:
+        """``generate_step`` arguments reproducing the server's decoding of a request: its sampler (``_make_sampler``;
+        whether it is the position-keyed one) and its logits processors as the server built them (penalties
+        included, so none is passed twice)."""
+        filters = {name: getattr(args, name, default) for name, default in FILTER_OPTIONS.items()}
+        positioned = all(value == FILTER_OPTIONS[name] for name, value in filters.items())
+        named = {"max_tokens": limit, "temperature": args.temperature, "top_p": args.top_p,
+                 "top_k": args.top_k if SERVER_TOP_K else 0, "seed": args.seed, "logits_processors": processors,
+                 "prefill_step_size": self.settings.get("prefill_step_size"), **filters}
+        extra = {k: v for k, v in keywords.items() if v is not None and not k.startswith("_")}
+        return named, extra, positioned
+
+    def _bind(self, input_ids: mx.array, named: dict) -> dict:
+        """``generate_step``'s named arguments with its defaults (the names this release has)."""
+        signature = inspect.signature(self.ar.generate_step)
+        known = {k: v for k, v in named.items() if k in signature.parameters}
+        bound = signature.bind(input_ids, self.model, None, None, **known)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        arguments.pop(next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+        return arguments
+
+    def next(self, **kwargs) -> tuple[list, list]:
+        """One step of the batch (when it has work), then one token of every lane."""
+        prompts, responses = self.stock.next(**kwargs) if self.stock.has_work else ([], [])
+        prompts, responses = list(prompts), list(responses)
+        for uid, lane in list(self.lanes.items()):
+            done, tokens = lane.step(self.response)
+            prompts += done
+            responses += tokens
+            if tokens[-1].finish_reason is not None:
+                del self.lanes[uid]
+        return prompts, responses
+
+    def remove(self, uid) -> bool:
+        """Cancel a request: its lane, or mlx-vlm's ``remove``."""
+        lane = self.lanes.pop(uid, None)
+        if lane is None:
+            return self.stock.remove(uid)
+        lane.close()
+        return True
+
+    def close(self) -> None:
+        """Close every lane and the batch."""
+        for lane in self.lanes.values():
+            lane.close()
+        self.lanes.clear()
+        self.stock.close()
+
+
+def patch_server(patches, captured: dict[str, bool]) -> None:
+    """Install the server wrappers on the imported ``mlx_vlm.server.generation`` and ``request_normalization``."""
+    server = importlib.import_module("mlx_vlm.server")
+    patches.wrap(server, "main", functools.partial(strip_cli_flags, prog="mlx_vlm.server"))
+    generation = importlib.import_module("mlx_vlm.server.generation")
+    normalization = importlib.import_module("mlx_vlm.server.request_normalization")
+    patches.wrap(normalization, "_build_gen_args", read_request_options)
+    patches.wrap(generation.ResponseGenerator, "_log_prefill_started", note_request)
+    patches.wrap(generation, "BatchGenerator", functools.partial(with_lanes, captured=captured))
+    if hasattr(generation, "speculative_stats_since"):
+        patches.wrap(generation, "speculative_stats_since", lane_counters)
+        patches.wrap(generation.ResponseGenerator, "_step", report_counters)

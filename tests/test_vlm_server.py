@@ -1,0 +1,221 @@
+"""A real ``mlx_vlm.server`` on a loopback port, serving the trained tiny checkpoint with a tiny vision tower
+(``examples/add_vision_tower.py``: mlx-vlm's own Qwen processor takes real PNG images), beside a stock server
+(plugin disabled) on the same checkpoint without its head."""
+
+import base64
+import functools
+import importlib.util
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from builders import png
+from console_runs import HF, environment
+from mtp_plugin.adapters.patching import release
+from test_server import Server, text_of
+
+# mlx-vlm 0.7's response schema carries the speculative counters; 0.6's has no such field
+COUNTERS = release("mlx-vlm") >= (0, 7)
+NO_COUNTERS = "mlx-vlm 0.6's server responses have no draft counters (its timings schema lacks draft_n)"
+TEXT = "def read_config(path):\n"
+MAX_TOKENS = 32
+
+
+def data_url(width: int, height: int, seed: int) -> str:
+    """A PNG image (``builders.png``) as a data URL, as clients send images."""
+    return "data:image/png;base64," + base64.b64encode(png(width, height, seed)).decode()
+
+
+IMAGE = data_url(64, 48, 3)
+
+
+def chat(text: str = TEXT, image: str | None = None, **options) -> dict:
+    content = text if image is None else [{"type": "image_url", "image_url": {"url": image}},
+                                          {"type": "text", "text": text}]
+    return {"messages": [{"role": "user", "content": content}],
+            "max_tokens": MAX_TOKENS, "temperature": 0.0, **options}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """The trained tiny checkpoint with a tiny vision tower and Qwen's processor files, the head as a sidecar."""
+    spec = importlib.util.spec_from_file_location("add_vision_tower", HF.parents[1] / "add_vision_tower.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = tmp_path_factory.mktemp("vlm-server") / "model"
+    example.add_vision_tower(HF, model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoint):
+    """``(plugin, stock)``: a plugin server on the checkpoint with its head (sidecar), a stock one on a copy
+    without it."""
+    model, workdir = checkpoint, checkpoint.parent
+    headless = workdir / "headless"
+    shutil.copytree(model, headless, ignore=shutil.ignore_patterns("mtp.safetensors"))
+    command = [sys.executable, "-m", "mlx_vlm.server", "--model"]
+    plugin = Server([*command, str(model)], workdir, environment())
+    stock = Server([*command, str(headless)], workdir, environment(MTP_PLUGIN_DISABLE="1"))
+    plugin.model, stock.model = str(model), str(headless)
+    yield plugin, stock
+    plugin.stop()
+    stock.stop()
+
+
+def answer(server: Server, body: dict, stream: bool = False) -> tuple[str, dict]:
+    """The text and the timings of a chat completion by ``server``'s model."""
+    body = {**body, "model": server.model}
+    if stream:
+        events = server.stream("/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+        text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])  # None: no text
+        return text, next((e["timings"] for e in reversed(events) if e.get("timings")), {})  # the final ones
+    status, response = server.post("/v1/chat/completions", body)
+    assert status == 200, response
+    return text_of(response), response.get("timings") or {}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+@pytest.mark.parametrize("image", [None, IMAGE], ids=["text", "image"])
+def test_request_decodes_with_mtp_as_stock(servers, image, stream):
+    plugin, stock = servers
+    text, timings = answer(plugin, chat(image=image, enable_mtp=True), stream)
+    expected, stock_timings = answer(stock, chat(image=image), stream)
+    assert text == expected and len(text) > 20
+    if COUNTERS:
+        # decoded by the MTP loop (its adaptive depth may have measured plain steps the faster: 0 drafts then)
+        assert 0 <= timings["draft_n_accepted"] <= timings["draft_n"], timings
+        assert stock_timings.get("draft_n") is None
+
+
+@pytest.mark.parametrize("options", [{"mtp_depth": 1}, {"mtp_depth": 3}, {"enable_mtp": True, "mtp_depth": 2},
+                                     {"enable_mtp": False, "mtp_depth": 2}, {}],
+                         ids=["depth1", "depth3", "enabled-depth2", "off", "none"])
+def test_image_request_options(servers, options):
+    """A request asks for MTP with ``enable_mtp`` or ``mtp_depth``; one that says nothing is served by mlx-vlm's
+    batch (the server's default without ``--mtp-depth``)."""
+    plugin, stock = servers
+    text, timings = answer(plugin, chat(image=IMAGE, **options))
+    assert text == answer(stock, chat(image=IMAGE))[0]
+    if COUNTERS:
+        lane = options.get("enable_mtp", "mtp_depth" in options)
+        assert (timings.get("draft_n") is not None) == lane, timings
+        if lane and "mtp_depth" in options:
+            assert timings["draft_n"] == options["mtp_depth"] * timings["draft_rounds"], timings
+
+
+@pytest.mark.skipif(not COUNTERS, reason="mlx-vlm 0.6 returns bfloat16 log-probs: a verify pass and single-token "
+                    "steps can differ by one bfloat16 step, so a near tie may draw otherwise under the same key (the "
+                    "sampled distribution stays exact: test_vlm_sampling)")
+@pytest.mark.parametrize("image", [None, IMAGE], ids=["text", "image"])
+def test_seeded_request_gets_the_servers_own_tokens(servers, image):
+    """The server keys a seeded request's draws by token position: with MTP the seed gives its own tokens."""
+    plugin, _ = servers
+    sampled = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7}
+    text, timings = answer(plugin, chat(image=image, **sampled, mtp_depth=2))
+    assert text == answer(plugin, chat(image=image, **sampled, enable_mtp=False))[0]
+    assert timings["draft_n"] > 0
+
+
+@pytest.mark.parametrize("options", [{"mtp_depth": 9}, {"enable_mtp": "yes"}, {"mtp_depth": 1.5}])
+def test_bad_options_are_refused(servers, options):
+    plugin, _ = servers
+    status, response = plugin.post("/v1/chat/completions", {**chat(**options), "model": plugin.model})
+    assert status == 400 and ("mtp_depth" in response["detail"] or "enable_mtp" in response["detail"]), response
+
+
+def test_concurrent_requests_as_alone(servers):
+    """Concurrent requests (text and images, MTP lanes asked for and others in mlx-vlm's batch) get the answers
+    each gets alone."""
+    plugin, _ = servers
+    texts = [TEXT, "import os\n", "class Parser:\n", "for line in lines:\n"]
+    bodies = [chat(text=t, image=data_url(32 + 16 * i, 48, i) if i % 2 else None,
+                   **({"enable_mtp": True} if i < 2 else {})) for i, t in enumerate(texts)]
+    alone = [answer(plugin, body)[0] for body in bodies]
+    for _ in range(2):
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            together = list(pool.map(lambda body: answer(plugin, body), bodies))
+        assert [text for text, _ in together] == alone
+        if COUNTERS:
+            assert all(timings.get("draft_n") is not None for _, timings in together[:2])  # asked: own lanes
+
+
+def test_lane_passes_keep_their_own_positions(checkpoint):
+    """mlx-vlm's Qwen language model keeps the last prompt's rope deltas on the model object and derives later
+    passes' positions from them; an image prefilled in the batch between two passes of a lane leaves other deltas
+    there. A lane's pass sees its own and leaves the batch's in place."""
+    from mlx_vlm import load
+    from mlx_vlm.models.cache import make_prompt_cache
+    from mtp_plugin.adapters.mlx_vlm_decoding import _language_model_pass
+    from mtp_plugin.adapters.mlx_vlm_server import OwnPositions
+
+    model, processor = load(str(checkpoint))
+    language_model = model.language_model
+    prompt = mx.array([processor.tokenizer.encode(TEXT)])
+    fields = model.get_input_embeddings(prompt, None).to_dict()
+    keywords = {k: v for k, v in fields.items() if v is not None}
+    run = functools.partial(_language_model_pass, language_model)
+
+    def second_pass(own: bool, batch_deltas: mx.array | None) -> mx.array:
+        cache, lane = make_prompt_cache(language_model), OwnPositions(run, language_model) if own else run
+        language_model._rope_deltas = language_model._position_ids = None
+        lane(prompt, cache, keywords)
+        language_model._rope_deltas = batch_deltas  # as an image prefilled in the batch leaves them
+        hidden = lane(mx.array([[prompt[0, -1].item()]]), cache, {})
+        assert language_model._rope_deltas is batch_deltas or not own  # the batch's are kept
+        return hidden
+
+    alone = second_pass(True, None)
+    shifted = mx.array([[-5]], dtype=mx.int32)
+    assert not mx.array_equal(second_pass(False, shifted), alone)  # the deltas matter to the pass
+    assert mx.array_equal(second_pass(True, shifted), alone)
+
+
+def test_help_lists_the_mtp_flags():
+    out = subprocess.run([sys.executable, "-m", "mlx_vlm.server", "--help"], capture_output=True, text=True,
+                         timeout=300, check=True, env=environment()).stdout
+    assert "--mtp-depth N" in out and "--no-mtp" in out and "--max-tokens" in out  # ours, then mlx-vlm's own
+
+
+@pytest.mark.skipif(not COUNTERS, reason=NO_COUNTERS)
+@pytest.mark.parametrize("flags", [("--mtp-depth", "2"), ("--no-mtp",)])
+def test_command_line_defaults(checkpoint, servers, flags):
+    """``--mtp-depth N`` and ``--no-mtp`` set the server's default; a request's own options still win."""
+    _, stock = servers
+    server = Server([sys.executable, "-m", "mlx_vlm.server", "--model", str(checkpoint), *flags],
+                    checkpoint.parent, environment())
+    server.model = str(checkpoint)
+    try:
+        text, timings = answer(server, chat(image=IMAGE))
+        assert text == answer(stock, chat(image=IMAGE))[0]
+        if flags[0] == "--no-mtp":
+            assert timings.get("draft_n") is None
+            assert answer(server, chat(image=IMAGE, enable_mtp=True))[1]["draft_n"] is not None
+        else:
+            assert timings["draft_n"] == 2 * timings["draft_rounds"] > 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(release("mlx-vlm") < (0, 7), reason="mlx-vlm 0.6's own MTP drafter cannot run (its rounds "
+                    "call a reset its Qwen3.5 model lacks)")
+def test_mlx_vlms_own_drafter_when_asked_for(checkpoint):
+    """``--draft-model DIR --draft-kind mtp`` serves with mlx-vlm's own MTP drafter, as without the plugin."""
+    command = [sys.executable, "-m", "mlx_vlm.server", "--model", str(checkpoint), "--draft-model", str(checkpoint),
+               "--draft-kind", "mtp"]
+    answers = []
+    for env in (environment(), environment(MTP_PLUGIN_DISABLE="1")):
+        server = Server(command, checkpoint.parent, env)
+        server.model = str(checkpoint)
+        try:
+            answers.append(answer(server, chat()))
+        finally:
+            server.stop()
+    (text, timings), (stock_text, stock_timings) = answers
+    assert text == stock_text and timings["draft_kind"] == "mtp" and timings["draft_n"] > 0, timings
+    assert (timings["draft_n"], timings["draft_n_accepted"]) == (stock_timings["draft_n"],
+                                                                  stock_timings["draft_n_accepted"])
