@@ -12,8 +12,10 @@ nothing (``--no-mtp``: none; ``enable_mtp: false`` refuses a lane), validated as
 
 A lane samples as the server's own sampler for that request (``ResponseGenerator._make_sampler``: the
 position-keyed sampler, keyed only with a ``seed``, or ``make_sampler`` with top-nσ, p-less or typical-p), by
-exact rejection sampling. What a lane does not reproduce stays in the batch: log-probs, thinking budgets,
-mlx-vlm's prefix cache (``apc_manager``), quantized KV caches, a trunk without multimodal positions. On mlx-vlm
+exact rejection sampling; its logits processors see the whole prompt, as the batch's do. What a lane does not
+reproduce stays in the batch: log-probs, thinking budgets, a ``response_format`` (a grammar matcher, which must
+not see drafts that are then rejected), mlx-vlm's prefix cache (``apc_manager``), quantized KV caches, a trunk
+without multimodal positions. A lane whose loop raises fails its own request only. On mlx-vlm
 ≥ 0.7 a lane's final response carries ``timings.draft_n`` / ``draft_n_accepted`` (its response schema's fields).
 """
 
@@ -54,17 +56,28 @@ def read_request_options(build_gen_args):
 
     @functools.wraps(build_gen_args)
     def wrapper(request, *args, **kwargs):
-        from fastapi import HTTPException
-
         try:
             options = parse_request(getattr(request, "model_extra", None) or {})
         except MTPRequestError as e:
-            raise HTTPException(status_code=400, detail=str(e)) from e
+            raise _bad_option()(status_code=400, detail=str(e)) from e
         gen_args = build_gen_args(request, *args, **kwargs)
         gen_args.mtp = options
         return gen_args
 
     return wrapper
+
+
+@functools.cache
+def _bad_option() -> type:
+    """FastAPI's ``HTTPException`` whose text is its message alone: endpoints that wrap an error's text in a 400 of
+    their own then show the message, not "400: message" (FastAPI is imported only once a server runs)."""
+    from fastapi import HTTPException
+
+    class MTPOptionError(HTTPException):
+        def __str__(self) -> str:
+            return str(self.detail)
+
+    return MTPOptionError
 
 
 def note_request(log_prefill_started):
@@ -181,11 +194,12 @@ class Lane:
         max_tokens: the request's limit.
         stop: mlx-vlm's stop test of a token id (the batch's ``stopping_criteria``).
         prompt_tokens: prompt length, for the prompt response.
+        answers: the request's response queue (an error raised by the loop is put there: ``fail``).
     """
 
-    def __init__(self, uid: int, tokens, stats, max_tokens: int, stop, prompt_tokens: int):
+    def __init__(self, uid: int, tokens, stats, max_tokens: int, stop, prompt_tokens: int, answers):
         self.uid, self.tokens, self.stats, self.max_tokens, self.stop = uid, tokens, stats, max_tokens, stop
-        self.prompt_tokens, self.emitted = prompt_tokens, 0
+        self.prompt_tokens, self.emitted, self.answers = prompt_tokens, 0, answers
 
     def step(self, response) -> tuple[list, list]:
         """Draw one token: ``(prompt responses, responses)`` as mlx-vlm's ``BatchGenerator.next`` returns them
@@ -204,6 +218,13 @@ class Lane:
         if reason is not None:
             self.close()
         return prompts, [response(uid=self.uid, token=token, token_logprob=0.0, finish_reason=reason)]
+
+    def fail(self, error: Exception, response) -> list:
+        """The loop raised ``error``: the request gets it (as the server hands a batch's errors to every request
+        of the batch), then a final response so that the server forgets it; the generator is dropped."""
+        log.error("mtp_plugin: MTP lane of request %s failed: %s", self.uid, error, exc_info=error)
+        self.answers.put(error)
+        return [response(uid=self.uid, token=None, token_logprob=0.0, finish_reason="stop")]
 
     def close(self) -> None:
         """Stop the generator (its caches are released)."""
@@ -266,6 +287,8 @@ class Lanes:
             return "log-probs"
         if thinking is not None:
             return "thinking budget"
+        if args.logits_processors:  # structured output: a grammar matcher that cannot see rejected drafts
+            return "response format"
         if self.settings.get("apc_manager") is not None:
             return "prefix cache"
         if any(self.settings.get(option) is not None for option in KV_OPTIONS):
@@ -289,6 +312,7 @@ class Lanes:
                                     positioned)
         if decoding is None:
             return None
+        decoding["prefill_history"] = True  # the batch's processors see the whole prompt (its token context)
         prompt_pass = decoding["prompt_inputs"]
         if prompt_pass is not None:
             own = OwnPositions(prompt_pass.run, self.model.language_model)
@@ -298,7 +322,8 @@ class Lanes:
             return None
         uid = self.stock.uid_count
         self.stock.uid_count += 1
-        return Lane(uid, tokens, decoding["stats"], limit, self.stock.tokenizer.stopping_criteria, len(prompt))
+        return Lane(uid, tokens, decoding["stats"], limit, self.stock.tokenizer.stopping_criteria, len(prompt),
+                    request.rqueue)
 
     def _arguments(self, args, limit: int, processors: list, keywords: dict) -> tuple[dict, dict, bool]:
         """``generate_step`` arguments reproducing the server's decoding of a request: its sampler (``_make_sampler``;
@@ -327,7 +352,10 @@ class Lanes:
         prompts, responses = self.stock.next(**kwargs) if self.stock.has_work else ([], [])
         prompts, responses = list(prompts), list(responses)
         for uid, lane in list(self.lanes.items()):
-            done, tokens = lane.step(self.response)
+            try:
+                done, tokens = lane.step(self.response)
+            except Exception as error:  # this request's failure, not the batch's
+                done, tokens = [], lane.fail(error, self.response)
             prompts += done
             responses += tokens
             if tokens[-1].finish_reason is not None:

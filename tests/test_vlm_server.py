@@ -10,6 +10,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from queue import Queue
 
 import mlx.core as mx
 import pytest
@@ -123,9 +124,53 @@ def test_seeded_request_gets_the_servers_own_tokens(servers, image):
 
 @pytest.mark.parametrize("options", [{"mtp_depth": 9}, {"enable_mtp": "yes"}, {"mtp_depth": 1.5}])
 def test_bad_options_are_refused(servers, options):
+    """A bad value is answered with 400 and a message naming the option, on each endpoint (those that wrap an
+    error's text in a 400 of their own show the message alone)."""
     plugin, _ = servers
-    status, response = plugin.post("/v1/chat/completions", {**chat(**options), "model": plugin.model})
-    assert status == 400 and ("mtp_depth" in response["detail"] or "enable_mtp" in response["detail"]), response
+    requests = {"/v1/chat/completions": chat(**options), "/v1/responses": {"input": "hi", **options},
+                "/v1/messages": {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **options}}
+    for path, body in requests.items():
+        status, response = plugin.post(path, {**body, "model": plugin.model})
+        message = response["detail"] if "detail" in response else response["error"]["message"]
+        assert status == 400 and message.startswith(("mtp_depth must", "enable_mtp must")), (path, response)
+
+
+def test_penalties_see_the_whole_prompt(servers):
+    """The server's batch gives logits processors (penalties) the whole prompt; so does a lane."""
+    plugin, stock = servers
+    text = "def main():\n" + "".join(f"    value_{i} = compute({i})\n" for i in range(24))
+    penalties = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "repetition_penalty": 1.3}
+    expected = answer(stock, chat(text=text, **penalties))[0]
+    for depth in (1, 3):
+        assert answer(plugin, chat(text=text, **penalties, mtp_depth=depth))[0] == expected, depth
+
+
+def test_response_format_and_failures_stay_with_their_request(checkpoint):
+    """A request with its own logits processors (``response_format``: a grammar matcher must not see drafts that
+    are then rejected) decodes in mlx-vlm's batch; a lane whose loop raises fails its own request only."""
+    from mlx_vlm import load
+    from mlx_vlm.server.generation import GenerationArguments
+    from mtp_plugin.adapters.mlx_vlm_server import Lane, Lanes
+
+    from mtp_plugin.stats import MTPStats
+
+    model, processor = load(str(checkpoint))
+    lanes = Lanes(importlib.import_module("mlx_vlm.generate.ar").BatchGenerator(model.language_model, processor),
+                  model, {})
+    assert lanes._stock_reason(GenerationArguments(logits_processors=[lambda tokens, logits: logits]), None)
+    assert lanes._stock_reason(GenerationArguments(), None) is None
+
+    def failing():
+        yield 5, None
+        raise RuntimeError("lane failed")
+
+    answers = {uid: Queue() for uid in (1, 2)}
+    for uid, tokens in ((1, failing()), (2, (drawn for drawn in [(5, None), (6, None), (7, None)]))):
+        lanes.lanes[uid] = Lane(uid, tokens, MTPStats(), 3, lambda token: False, 4, answers[uid])
+    steps = [lanes.next()[1] for _ in range(3)]
+    assert [(r.uid, r.token, r.finish_reason) for step in steps for r in step] == [
+        (1, 5, None), (2, 5, None), (1, None, "stop"), (2, 6, None), (2, 7, "length")]
+    assert isinstance(answers[1].get_nowait(), RuntimeError) and answers[2].empty() and not lanes.has_work
 
 
 def test_concurrent_requests_as_alone(servers):
