@@ -81,18 +81,25 @@ def parse_request(body: dict) -> MTPRequest:
     return MTPRequest(enabled, depth)
 
 
-def strip_cli_flags(main, prog: str = "mlx_lm.server"):
+SERVER_HELP = {  # mlx-lm's server decodes with MTP by default
+    "plugin": "Enable a plugin; 'mtp' decodes with the checkpoint's MTP head (on by default).",
+    "depth": f"MTP draft depth 1-{MAX_DEPTH} (0: automatic).",
+    "off": "Serve without the MTP head.",
+}
+
+
+def strip_cli_flags(main, prog: str = "mlx_lm.server", helps: dict = SERVER_HELP):
     """Wrap a server's ``main`` (``mlx_lm.server``, ``mlx_vlm.server``): consume ``--plugin``, ``--mtp-depth`` and
-    ``--no-mtp`` from ``sys.argv``; ``-h`` lists them before the server's own options."""
+    ``--no-mtp`` from ``sys.argv`` (``CLI``); ``-h`` lists them, with ``helps`` (keys ``plugin``, ``depth``,
+    ``off``), before the server's own options."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         parser = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False)
-        parser.add_argument("--plugin", action="append", choices=PLUGIN_NAMES, default=[],
-                            help="Enable a plugin; 'mtp' decodes with the checkpoint's MTP head (on by default).")
+        parser.add_argument("--plugin", action="append", choices=PLUGIN_NAMES, default=[], help=helps["plugin"])
         parser.add_argument("--mtp-depth", type=int, default=0, choices=range(MAX_DEPTH + 1), metavar="N",
-                            help=f"MTP draft depth 1-{MAX_DEPTH} (0: automatic).")
-        parser.add_argument("--no-mtp", action="store_true", help="Serve without the MTP head.")
+                            help=helps["depth"])
+        parser.add_argument("--no-mtp", action="store_true", help=helps["off"])
         ours, rest = parser.parse_known_args(sys.argv[1:])
         if "-h" in rest or "--help" in rest:
             parser.print_help()

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mtp_plugin.decoding import MAX_DEPTH
 from mtp_plugin.plugins import hook
 
 from .capture import rollback_ready
@@ -47,6 +48,13 @@ SERVER_TOP_K = release("mlx-vlm") >= (0, 7, 0)
 # The server's ``make_sampler`` options, each with its stock default: any set one picks ``make_sampler``
 FILTER_OPTIONS = {"top_n_sigma": 0.0, "p_less": False, "typical_p": 1.0}
 KV_OPTIONS = ("kv_bits", "kv_key_bits", "kv_value_bits")
+SERVER_HELP = {  # a request decodes with MTP when it asks, or with --mtp-depth N
+    "plugin": "Enable a plugin; 'mtp' loads the checkpoint's MTP head (on by default); requests decode with it "
+              "when they ask (enable_mtp, mtp_depth).",
+    "depth": f"Decode every request that names no MTP option with MTP at draft depth 1-{MAX_DEPTH} (0, the "
+             "default: only requests that ask).",
+    "off": "Decode with MTP only requests with \"enable_mtp\": true.",
+}
 
 
 def read_request_options(build_gen_args):
@@ -381,7 +389,7 @@ class Lanes:
 def patch_server(patches, captured: dict[str, bool]) -> None:
     """Install the server wrappers on the imported ``mlx_vlm.server.generation`` and ``request_normalization``."""
     server = importlib.import_module("mlx_vlm.server")
-    patches.wrap(server, "main", functools.partial(strip_cli_flags, prog="mlx_vlm.server"))
+    patches.wrap(server, "main", functools.partial(strip_cli_flags, prog="mlx_vlm.server", helps=SERVER_HELP))
     generation = importlib.import_module("mlx_vlm.server.generation")
     normalization = importlib.import_module("mlx_vlm.server.request_normalization")
     patches.wrap(normalization, "_build_gen_args", read_request_options)

@@ -7,6 +7,8 @@ positions jumping across the image). The vocabulary's four last ids stand for th
 start and the vision end. The copy is written as a converted mlx-vlm checkpoint (``model.safetensors``, the head in an
 ``mtp.safetensors`` sidecar, the source's tokenizer files); the source is only read.
 
+Reading the text-only source, mlx-vlm warns that it has no vision weights; the copy has them.
+
 Example::
 
     python examples/add_vision_tower.py examples/tiny-qwen3_5/hf build/tiny-qwen3_5-vl

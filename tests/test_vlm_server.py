@@ -237,8 +237,9 @@ def test_command_line_defaults(checkpoint, servers, flags):
     try:
         text, timings = answer(server, chat(image=IMAGE))
         assert text == answer(stock, chat(image=IMAGE))[0]
-        if flags[0] == "--no-mtp":
+        if flags[0] == "--no-mtp":  # only an explicit enable_mtp takes a lane
             assert timings.get("draft_n") is None
+            assert answer(server, chat(image=IMAGE, mtp_depth=2))[1].get("draft_n") is None
             assert answer(server, chat(image=IMAGE, enable_mtp=True))[1]["draft_n"] is not None
         else:
             assert timings["draft_n"] == 2 * timings["draft_rounds"] > 0
