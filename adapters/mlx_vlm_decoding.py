@@ -207,6 +207,21 @@ def prefill_bar():
     return callback
 
 
+def step_arguments(generate_step, *args, **kwargs) -> tuple[dict, dict]:
+    """``generate_step``'s arguments as ``decoding_options`` takes them: its named arguments with their defaults,
+    and its other keywords (those it passes on to the model) without None values.
+
+    Raises:
+        TypeError: arguments ``generate_step`` does not take.
+    """
+    signature = inspect.signature(generate_step)
+    var_keyword = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    named = dict(bound.arguments)
+    return named, {k: v for k, v in named.pop(var_keyword).items() if v is not None}
+
+
 def mtp_generate_step(generate_step, ar, captured: dict[str, bool]):
     """Wrap mlx-vlm's ``generate_step(input_ids, model, pixel_values, mask, **kwargs)``: MTP for a text
     prompt to a model with a loaded head whose trunk can be rolled back (``capture.rollback_ready``).
@@ -214,9 +229,6 @@ def mtp_generate_step(generate_step, ar, captured: dict[str, bool]):
     Added keywords: ``enable_mtp`` (False: stock decoding) and ``mtp_depth`` (draft depth 1-8; None: adaptive);
     when not given, the command line's ``--no-mtp`` / ``--mtp-depth`` (``CLI``) decide.
     """
-    signature = inspect.signature(generate_step)
-    var_keyword = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
-
     @functools.wraps(generate_step)
     def wrapper(input_ids, model, pixel_values, mask, *, mtp_depth=None, enable_mtp=None, **kwargs):
         enable_mtp = CLI["enabled"] if enable_mtp is None else enable_mtp
@@ -226,10 +238,7 @@ def mtp_generate_step(generate_step, ar, captured: dict[str, bool]):
         if loaded is not None:
             loaded.stats = None
         if enable_mtp and loaded is not None and rollback_ready(captured, model_type):
-            bound = signature.bind(input_ids, model, pixel_values, mask, **kwargs)
-            bound.apply_defaults()
-            named = dict(bound.arguments)
-            extra = {k: v for k, v in named.pop(var_keyword).items() if v is not None}
+            named, extra = step_arguments(generate_step, input_ids, model, pixel_values, mask, **kwargs)
             options = decoding_options(ar, model, loaded, mtp_depth, named, extra)
             if options is not None:
                 generator = hook().mtp_generate_step(prompt=input_ids[0], model=model, options=options)

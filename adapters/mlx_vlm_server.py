@@ -38,7 +38,7 @@ from mtp_plugin.plugins import hook
 from .capture import rollback_ready
 from .mlx_lm_decoding import CLI
 from .mlx_lm_server import MTPRequest, MTPRequestError, parse_request, strip_cli_flags
-from .mlx_vlm_decoding import decoding_options
+from .mlx_vlm_decoding import KV_CACHE_OPTIONS, decoding_options, step_arguments
 from .patching import release
 
 log = logging.getLogger("mtp_plugin")
@@ -47,7 +47,6 @@ _serving = threading.local()  # the server and request the generation thread is 
 SERVER_TOP_K = release("mlx-vlm") >= (0, 7, 0)
 # The server's ``make_sampler`` options, each with its stock default: any set one picks ``make_sampler``
 FILTER_OPTIONS = {"top_n_sigma": 0.0, "p_less": False, "typical_p": 1.0}
-KV_OPTIONS = ("kv_bits", "kv_key_bits", "kv_value_bits")
 SERVER_HELP = {  # a request decodes with MTP when it asks, or with --mtp-depth N
     "plugin": "Enable a plugin; 'mtp' loads the checkpoint's MTP head (on by default); requests decode with it "
               "when they ask (enable_mtp, mtp_depth).",
@@ -299,7 +298,7 @@ class Lanes:
             return "response format"
         if self.settings.get("apc_manager") is not None:
             return "prefix cache"
-        if any(self.settings.get(option) is not None for option in KV_OPTIONS):
+        if any(self.settings.get(option) is not None for option in KV_CACHE_OPTIONS):
             return "quantized KV cache"
         return None
 
@@ -316,8 +315,9 @@ class Lanes:
         limit = max_tokens[0] if isinstance(max_tokens, list) else max_tokens or self.stock.max_tokens
         named, extra, positioned = self._arguments(args, limit, processors or [], keywords)
         input_ids = mx.array([prompt])
-        decoding = decoding_options(self.ar, self.model, loaded, depth, self._bind(input_ids, named), extra,
-                                    positioned)
+        known = {k: v for k, v in named.items() if k in inspect.signature(self.ar.generate_step).parameters}
+        arguments, _ = step_arguments(self.ar.generate_step, input_ids, self.model, None, None, **known)
+        decoding = decoding_options(self.ar, self.model, loaded, depth, arguments, extra, positioned)
         if decoding is None:
             return None
         decoding["prefill_history"] = True  # the batch's processors see the whole prompt (its token context)
@@ -334,9 +334,9 @@ class Lanes:
                     request.rqueue)
 
     def _arguments(self, args, limit: int, processors: list, keywords: dict) -> tuple[dict, dict, bool]:
-        """``generate_step`` arguments reproducing the server's decoding of a request: its sampler (``_make_sampler``;
-        whether it is the position-keyed one) and its logits processors as the server built them (penalties
-        included, so none is passed twice)."""
+        """``generate_step`` arguments reproducing the server's decoding of a request (those this release takes are
+        bound): its sampler (``_make_sampler``; whether it is the position-keyed one) and its logits processors as
+        the server built them (penalties included, so none is passed twice)."""
         filters = {name: getattr(args, name, default) for name, default in FILTER_OPTIONS.items()}
         positioned = all(value == FILTER_OPTIONS[name] for name, value in filters.items())
         named = {"max_tokens": limit, "temperature": args.temperature, "top_p": args.top_p,
@@ -344,16 +344,6 @@ class Lanes:
                  "prefill_step_size": self.settings.get("prefill_step_size"), **filters}
         extra = {k: v for k, v in keywords.items() if v is not None and not k.startswith("_")}
         return named, extra, positioned
-
-    def _bind(self, input_ids: mx.array, named: dict) -> dict:
-        """``generate_step``'s named arguments with its defaults (the names this release has)."""
-        signature = inspect.signature(self.ar.generate_step)
-        known = {k: v for k, v in named.items() if k in signature.parameters}
-        bound = signature.bind(input_ids, self.model, None, None, **known)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        arguments.pop(next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-        return arguments
 
     def next(self, **kwargs) -> tuple[list, list]:
         """One step of the batch (when it has work), then one token of every lane."""
