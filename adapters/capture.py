@@ -1,7 +1,20 @@
 """Capture points for rollback, wired inside a runtime's GatedDeltaNet layers (active only during a verify pass).
 
-The layer call keeps its whole conv input window in the cache; ``gated_delta_update`` steps token by
-token and records its state after each one, so ``rollback.Recorder.commit`` can restore any prefix.
+The layer call keeps its whole conv input window in the cache; ``gated_delta_update`` records the recurrent state
+after each verified token, so ``rollback.Recorder.commit`` can restore any prefix. The states must be those plain
+decoding computes, one token per call. Two ways to get them:
+
+* **One call** (``capture_states``, first choice): the runtime's own per-token-states update where it has one
+  (mlx-vlm ≥ 0.6.8's ``gated_delta_update_with_states``: its ops on the CPU and CUDA, its Metal kernel, the same
+  arithmetic per step as the one-token kernel); else the runtime's own update once over the S verified tokens,
+  where the runtime computes it as a loop of its single-token step (mlx-lm's ``gated_delta_ops`` calling
+  ``_gated_delta_step_ops``: every backend but Metal), the wrapped step (``record_steps``) keeping each state. Either
+  way each step sees exactly the inputs a one-token call gives it (gates and β are elementwise), so outputs and
+  states equal the per-token ones bit for bit (``tests/test_capture.py``), for one update's host cost instead of S.
+* **Per token** (fallback): S one-token calls of the update. Used where neither applies (mlx-lm's fused Metal
+  kernel); the first such call is detected (fewer recorded steps than tokens), its lazy result dropped
+  unevaluated, and that update goes per token from then on.
+
 Both accept the call forms of mlx-lm and of mlx-vlm (extra layer keywords such as mlx-vlm 0.6's
 ``gdn_sink``/``target_verify``; mlx-vlm 0.7's ``gated_delta_update(..., cache=, cache_index=)``,
 where the cache owns the recurrent state).
@@ -11,6 +24,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
+import threading
 
 import mlx.core as mx
 
@@ -41,8 +56,50 @@ def capture_conv_window(call):
     return wrapper
 
 
-def capture_states(update):
-    """Wrap ``gated_delta_update``: during a verify pass, step token by token and record every state.
+_local = threading.local()  # ``steps``: the states the wrapped step records during a one-call capture
+_stepwise: set = set()  # (update, device) pairs whose multi-token call does not step token by token
+
+
+def record_steps(step):
+    """Wrap a runtime's single-token recurrence step ``step(q, k, v, g, beta, state, mask) -> (y, state)``: during a
+    one-call capture on this thread, keep each returned state."""
+
+    @functools.wraps(step)
+    def wrapper(*args, **kwargs):
+        y, state = step(*args, **kwargs)
+        steps = getattr(_local, "steps", None)
+        if steps is not None:
+            steps.append(state)
+        return y, state
+
+    return wrapper
+
+
+def _one_call(update, args, kwargs, tokens: int, with_states=None):
+    """``(out, state, states)`` of one call over ``tokens`` tokens: of the runtime's per-token-states update
+    ``with_states`` when given (and no runtime-specific keyword is passed), else of ``update`` with every step's state
+    recorded; None (its lazy result dropped) when that call did not step token by token."""
+    if with_states is not None and not kwargs.keys() - {"use_kernel"}:
+        out, state, states = with_states(*args, **kwargs)
+        return out, state, [states[:, t] for t in range(tokens)]
+    key = (update, str(mx.default_device()))
+    if key in _stepwise:
+        return None
+    _local.steps = []
+    try:
+        out, state = update(*args, **kwargs)
+    finally:
+        steps, _local.steps = _local.steps, None
+    if len(steps) != tokens:
+        _stepwise.add(key)
+        return None
+    return out, state, steps
+
+
+def capture_states(update, with_states=None):
+    """Wrap ``gated_delta_update``: during a verify pass, record the state after every token (module docstring: one
+    call where the runtime offers per-token states (``with_states``) or steps token by token, else one call per
+    token).
 
     Single-token steps are what plain decoding runs, so the verified states equal plain decoding's.
     With ``cache=`` (mlx-vlm ≥ 0.7) the initial state is read from and the final one written to
@@ -59,17 +116,23 @@ def capture_states(update):
             state = cache[index]
             if state is not None and state.shape[0] != q.shape[0]:
                 state = None
-        outs, states = [], []
-        for t in range(q.shape[1]):
-            step = slice(t, t + 1)
-            out, state = update(q[:, step], k[:, step], v[:, step], a[:, step], b[:, step], A_log, dt_bias,
-                                state, None if mask is None else mask[:, step], use_kernel=use_kernel, **kwargs)
-            outs.append(out)
-            states.append(state)
+        whole = _one_call(update, (q, k, v, a, b, A_log, dt_bias, state, mask), {"use_kernel": use_kernel, **kwargs},
+                          q.shape[1], with_states)
+        if whole is not None:
+            out, state, states = whole
+        else:
+            outs, states = [], []
+            for t in range(q.shape[1]):
+                step = slice(t, t + 1)
+                out, state = update(q[:, step], k[:, step], v[:, step], a[:, step], b[:, step], A_log, dt_bias,
+                                    state, None if mask is None else mask[:, step], use_kernel=use_kernel, **kwargs)
+                outs.append(out)
+                states.append(state)
+            out = mx.concatenate(outs, axis=1)
         if cache is not None:
             cache[index] = state
         recorder.record_states(states)
-        return mx.concatenate(outs, axis=1), state
+        return out, state
 
     return wrapper
 
@@ -89,6 +152,7 @@ def install(patches, runtime: str) -> dict[str, bool]:
     """
     listed = [item for items in hook().mtp_capture_points(runtime=runtime) for item in items]
     wired: dict[tuple[str, str], bool] = {}
+    steps_wrapped = set()
     for _, module_name, layer_class in listed:
         if (module_name, layer_class) in wired:
             continue
@@ -100,8 +164,13 @@ def install(patches, runtime: str) -> dict[str, bool]:
         layer = getattr(module, layer_class, None)
         if layer is None or not hasattr(module, "gated_delta_update"):
             continue
+        recurrence = sys.modules.get(getattr(module.gated_delta_update, "__module__", ""))
+        if hasattr(recurrence, "_gated_delta_step_ops") and recurrence.__name__ not in steps_wrapped:
+            steps_wrapped.add(recurrence.__name__)
+            patches.wrap(recurrence, "_gated_delta_step_ops", record_steps)
+        with_states = getattr(recurrence, "gated_delta_update_with_states", None)
         patches.wrap(layer, "__call__", capture_conv_window)
-        patches.wrap(module, "gated_delta_update", capture_states)
+        patches.wrap(module, "gated_delta_update", functools.partial(capture_states, with_states=with_states))
         wired[module_name, layer_class] = True
     return {model_type: wired[module_name, layer_class] for model_type, module_name, layer_class in listed}
 

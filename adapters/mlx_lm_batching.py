@@ -150,6 +150,7 @@ def batching_model(model) -> BatchingModel | None:
     if ctx is None:
         start = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
         ctx = loaded.batching = BatchContext(trunk, BatchDrafter(trunk, loaded.module), loaded.health, start)
+    ctx.drafter.vocab = loaded.draft_vocab
     ctx.options.clear()  # request ids restart with each generator
     ctx.heads.clear()
     return BatchingModel(model, ctx)

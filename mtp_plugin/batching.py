@@ -28,7 +28,7 @@ import mlx.nn as nn
 
 from . import rollback
 from .decoding import NONFINITE, Sampling, accept_greedy, accept_sampled, processed_logprobs, reject_nonfinite
-from .drafter import PendingPairs, log_softmax
+from .drafter import PendingPairs, draft_logits, log_softmax, propose
 from .stats import MTPStats
 
 
@@ -107,10 +107,14 @@ class BatchDrafter:
     Args:
         trunk: the trunk functions (``decoding.Trunk``; batched inputs (B, S)).
         head: the loaded head module.
+
+    Attributes:
+        vocab: the head's ``draft_vocab.DraftVocabulary`` (drafts from its subset only), or None; set by the runtime
+            adapter before each batch.
     """
 
     def __init__(self, trunk, head: nn.Module):
-        self.trunk, self.head = trunk, head
+        self.trunk, self.head, self.vocab = trunk, head, None
 
     def _feed(self, rows: list[Row], head_cache) -> mx.array | None:
         """Feed every row's pending pairs in one right-padded pass; the last fed output per row (B, 1, H),
@@ -138,17 +142,13 @@ class BatchDrafter:
 
     def _choose(self, rows: list[Row], g: mx.array, depths: list[int]) -> tuple[mx.array, list]:
         """Draft tokens (B,) from head outputs g (B, 1, H) and, per sampled row, its q (1, V)."""
-        logits = self.trunk.logits(g)[:, 0]
+        logits = draft_logits(g[:, 0], self.trunk, self.vocab)
         if all(r.sampling is None for r in rows):
-            return mx.argmax(logits, axis=-1), [None] * len(rows)
+            return propose(logits, vocab=self.vocab)[0], [None] * len(rows)
         tokens, qs = [], []
         for i, row in enumerate(rows):
-            if row.sampling is None or not depths[i]:
-                tokens.append(mx.argmax(logits[i : i + 1], axis=-1))
-                qs.append(None)
-                continue
-            q = row.sampling.probs(log_softmax(logits[i : i + 1].astype(mx.float32)))
-            tokens.append(mx.random.categorical(mx.log(q)))
+            token, q = propose(logits[i : i + 1], row.sampling if depths[i] else None, self.vocab)
+            tokens.append(token)
             qs.append(q)
         return mx.concatenate(tokens), qs
 

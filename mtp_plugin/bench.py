@@ -10,8 +10,12 @@ steps)
     ideal(d) = tokens_per_cycle(d) / ((t_draft(d) + t_verify(d + 1)) / t(1)),
 
 and efficiency = achieved speedup ÷ ideal(d): 1.0 means the loop adds nothing to the passes it must
-run (host bookkeeping, syncs, wasted trunk work all lower it). Then, where installed, other runtimes'
-own MTP decoders on the same checkpoint (``mtp_reference_decoders`` hook), or one line saying why not.
+run (host bookkeeping, syncs, wasted trunk work all lower it). The host's milliseconds per cycle at each depth:
+building the cycle's graph (drafts, verify pass, acceptance) without evaluating it. The draft
+steps are timed over the full vocabulary and over a draft vocabulary (``draft_vocab.py``): the tuned one, which
+the rows then draft from and whose costs ``ideal`` uses, else one of V/8 tokens for its cost alone. Then, where
+installed, other runtimes' own MTP decoders on the same checkpoint (``mtp_reference_decoders`` hook), or one line
+saying why not.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Protocol
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from . import measure, tuning
+from . import draft_vocab, measure, tuning
 from .decoding import DEFAULT_DEPTH, MAX_DEPTH
 from .plugins import hook
 from .stats import MTPStats
@@ -46,7 +50,8 @@ class ReferenceDecoder(Protocol):
 
 
 def cast(model, dtype) -> None:
-    """Cast every floating parameter of ``model`` and of its head to ``dtype`` (quantized weights stay)."""
+    """Cast every floating parameter of ``model`` and of its head to ``dtype`` (quantized weights stay; a draft
+    vocabulary's rows are copied again from the cast output projection)."""
     def convert(a):
         return a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a
 
@@ -54,15 +59,20 @@ def cast(model, dtype) -> None:
     head = getattr(model, "mtp_head", None)
     if head is not None:
         head.module.update(tree_map(convert, head.module.parameters()))
+        vocab = head.draft_vocab
+        if vocab is not None:  # its rows are a copy: copy them again from the cast projection
+            trunk = hook().mtp_trunk(model=model, contract=head.module.contract)
+            head.draft_vocab = draft_vocab.build(trunk, vocab.ids.tolist(), vocab.source)
 
 
-def efficiency(rows: list[dict], costs: dict) -> None:
-    """Add ``ideal`` and ``efficiency`` to each fixed-depth row (``depth N``), in place."""
+def efficiency(rows: list[dict], costs: dict, draft: str = "draft") -> None:
+    """Add ``ideal`` and ``efficiency`` to each fixed-depth row (``depth N``), in place, with the draft costs
+    ``costs[draft]`` (``draft_subset``: the rows drafted over the tuned draft vocabulary)."""
     t1 = costs["plain"]
     for row in rows:
         if row["name"].startswith("depth "):
             d = int(row["name"].split()[1])
-            relative = (costs["draft"][d] + costs["verify"][d + 1]) / t1
+            relative = (costs[draft][d] + costs["verify"][d + 1]) / t1
             row["ideal"] = row["tokens_per_cycle"] / relative
             row["efficiency"] = row["speedup"] / row["ideal"] if row["ideal"] else None  # no cycle ran
 
@@ -92,7 +102,10 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
 
     Returns:
         ``{"candidates": rows (see ``tune.summarise``, plus ``ideal``/``efficiency`` per depth),
-        "costs": {"verify": {k: t_verify(k)/t(1)}, "draft": {d: t_draft(d)/t(1)}, "plain_seconds": t(1)},
+        "costs": {"verify": {k: t_verify(k)/t(1)}, "draft": {d: t_draft(d)/t(1)}, "plain_seconds": t(1),
+        "host": {d: seconds building a cycle's graph at depth d},
+        "draft_subset": {d: t_draft(d)/t(1) over the draft vocabulary}, "subset_size": k, "subset_tuned": bool}``
+        (``draft_subset`` and ``subset_size`` only for a trunk that can project onto a subset),
         "references": [{"name", "candidates"} or a string saying why not]}``.
 
     Raises:
@@ -109,8 +122,10 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
     candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}, "adaptive": 0}
     rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats,
                                         "bench"))
-    costs = measure.component_costs(model, prompts[0], depths)
-    efficiency(rows, costs)
+    tuned = model.mtp_head.draft_vocab
+    subset = tuned or _cost_subset(model)
+    costs = measure.component_costs(model, prompts[0], depths, vocab=subset)
+    efficiency(rows, costs, "draft" if tuned is None else "draft_subset")
     del model  # free it before another runtime loads the checkpoint
     gc.collect()
     mx.clear_cache()
@@ -124,7 +139,21 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
             "adaptive_start": tuning.start_depth(Path(model_dir), DEFAULT_DEPTH, MAX_DEPTH),
             "adaptive_tuned": tuning.recorded_depth(Path(model_dir)) is not None,
             "costs": {"plain_seconds": t1, "verify": {k: v / t1 for k, v in costs["verify"].items()},
-                      "draft": {d: v / t1 for d, v in costs["draft"].items()}}}
+                      "draft": {d: v / t1 for d, v in costs["draft"].items()}, "host": costs["host"],
+                      **({"draft_subset": {d: v / t1 for d, v in costs["draft_subset"].items()},
+                          "subset_size": subset.size} if subset is not None else {}),
+                      "subset_tuned": tuned is not None}}
+
+
+def _cost_subset(model):
+    """A draft vocabulary of ``draft_vocab.candidate_sizes``' middle size (V/8) for timing the draft steps when none
+    is tuned (a draft step's cost depends on the subset's size only: the lowest ids), or None when the trunk cannot
+    project onto a subset."""
+    trunk = hook().mtp_trunk(model=model, contract=model.mtp_head.module.contract)
+    if not hasattr(trunk, "logits_over"):
+        return None
+    size = draft_vocab.candidate_sizes(trunk.vocab_size())[1]
+    return draft_vocab.build(trunk, range(size), "bench (cost only)")
 
 
 def render(report: dict) -> str:
@@ -140,6 +169,15 @@ def render(report: dict) -> str:
     lines.append(f"plain step t(1) = {c['plain_seconds'] * 1e3:.2f} ms; "
                  + "t_verify(k)/t(1): " + " ".join(f"k={k}:{v:.2f}" for k, v in c["verify"].items())
                  + "; t_draft(d)/t(1): " + " ".join(f"d={d}:{v:.2f}" for d, v in c["draft"].items()))
+    pipelined = 1 / report["candidates"][0]["tokens_per_second"] / c["plain_seconds"]
+    lines.append(f"plain decoding's own loop spends {pipelined:.2f} t(1) per token (it builds step t+1 while step t "
+                 "computes; a cycle's successor waits for its accepted count)")
+    lines.append("host ms per cycle (building its graph, not evaluating it): "
+                 + " ".join(f"d={d}:{v * 1e3:.2f}" for d, v in c["host"].items()))
+    if "draft_subset" in c:
+        lines.append(f"t_draft(d)/t(1) over a draft vocabulary of {c['subset_size']} tokens "
+                     f"({'tuned: the rows above drafted over it' if c['subset_tuned'] else 'none tuned: cost only'}): "
+                     + " ".join(f"d={d}:{v:.2f}" for d, v in c["draft_subset"].items()))
     for ref in report["references"]:
         if isinstance(ref, str):
             lines.append(ref)

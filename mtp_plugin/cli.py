@@ -82,23 +82,37 @@ def _verify(args) -> int:
 
 
 def _tune(args) -> int:
+    from .draft_vocab import FILE_NAME
     from .tune import tune
 
-    result = tune(args.model_dir, args.depths, args.max_tokens, args.repeats, args.write)
+    result = tune(args.model_dir, args.depths, args.max_tokens, args.repeats, args.write, args.vocab_text)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{'candidate':<10} {'tok/s':>8} {'speedup':>8} {'tok/cycle':>9}  acceptance by depth  "
+    print(f"{'candidate':<16} {'tok/s':>8} {'speedup':>8} {'tok/cycle':>9}  acceptance by depth  "
           f"(median of {args.repeats} runs, {args.max_tokens} tokens per prompt)")
+    vocabulary = result["vocabulary"]
     for r in result["candidates"]:
-        cycle = f"{r['tokens_per_cycle']:9.2f}" if r["tokens_per_cycle"] is not None else f"{'-':>9}"
-        acceptance = " ".join(f"{p:.2f}" for p in r["acceptance_by_depth"] or []) or "-"
-        print(f"{r['name']:<10} {r['tokens_per_second']:>8.1f} {r['speedup']:>8.3f} {cycle}  {acceptance}")
+        _tune_row(r)
+    if vocabulary["candidates"]:
+        print(f"draft vocabulary at depth {vocabulary['depth']} (S=k: the k most frequent tokens; measured again "
+              "beside plain and the full vocabulary):")
+        for r in vocabulary["candidates"]:
+            _tune_row(r)
     depth = result["depth"]
     choice = f"depth {depth}" if depth else "plain decoding (no depth beat it: MTP starts parked)"
-    where = result["cache"] + (f" and {args.model_dir / 'config.json'}" if result["written"] else "")
+    choice += f", draft vocabulary of {vocabulary['size']} tokens" if vocabulary["size"] else ", full draft vocabulary"
+    where = result["cache"] + (f" and {args.model_dir / 'config.json'}, {args.model_dir / FILE_NAME}"
+                               if result["written"] else "")
     print(f"recommended: {choice}; recorded in {where}")
     return 0
+
+
+def _tune_row(r: dict) -> None:
+    """One candidate's line of the tune table."""
+    cycle = f"{r['tokens_per_cycle']:9.2f}" if r["tokens_per_cycle"] is not None else f"{'-':>9}"
+    acceptance = " ".join(f"{p:.2f}" for p in r["acceptance_by_depth"] or []) or "-"
+    print(f"{r['name']:<16} {r['tokens_per_second']:>8.1f} {r['speedup']:>8.3f} {cycle}  {acceptance}")
 
 
 def _bench(args) -> int:
@@ -200,7 +214,11 @@ def parser() -> argparse.ArgumentParser:
                              help=f"runs of the prompt suite (medians), {describe('repeats')}")
         command.add_argument("--json", action="store_true", help="machine-readable result")
     sub.choices["tune"].add_argument("--write", action="store_true", help="also record the depth in the model's "
-                                     "config.json (atomically, mode kept; refused when read-only)")
+                                     "config.json and the draft vocabulary in its mtp_draft_vocab.json (atomically, "
+                                     "mode kept; refused when read-only)")
+    sub.choices["tune"].add_argument("--vocab-text", type=Path, metavar="FILE",
+                                     help="UTF-8 text whose tokens count towards the draft vocabulary's frequencies "
+                                     "(beside the model's own output on the prompt suite)")
     sub.choices["bench"].add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                                       help="cast the floating weights after loading (e.g. an fp32/hf checkpoint)")
     return p

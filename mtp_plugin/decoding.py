@@ -357,6 +357,7 @@ def generate(
     stats: MTPStats | None = None,
     health: HeadHealth | None = None,
     cache_step: Callable[[list], int | None] | None = None,
+    draft_vocab=None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Generate tokens with the head as drafter and the trunk as verifier (mlx-lm ``generate_step`` contract).
 
@@ -395,6 +396,8 @@ def generate(
             runtime's own loop calls it after each step (mlx-lm: KV cache quantization); it returns the
             most tokens the next pass may feed without changing what the runtime would compute (None: no
             limit; 1: a plain step), and the loop drafts at most that many tokens minus one.
+        draft_vocab: the head's ``draft_vocab.DraftVocabulary``: drafts come from its subset only (the trunk still
+            verifies over the full vocabulary; q is zero outside the subset); None: the full vocabulary.
 
     Yields:
         ``(token, logprobs)``: token id (int) and the trunk's log-probs (V,) at its position.
@@ -412,7 +415,7 @@ def generate(
     processors = list(logits_processors or [])
     callback = prompt_progress_callback or (lambda *_: None)
     history = (prompt if prefill_history else prompt[-1:]) if processors else None
-    drafter = Drafter(head, trunk, head_cache, None if sampling is None or sampling.keyed else sampling)
+    drafter = Drafter(head, trunk, head_cache, None if sampling is None or sampling.keyed else sampling, draft_vocab)
     loop = _Loop(trunk, cache, drafter, sampling, processors, history, cache_step)
     health = health if health is not None else HeadHealth("given to decoding.generate")
     if health.parked:

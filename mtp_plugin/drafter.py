@@ -72,6 +72,32 @@ def log_softmax(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
+def draft_logits(head_output: mx.array, trunk, vocab=None) -> mx.array:
+    """Draft logits (…, V) of head outputs (…, H) (after the head's final norm) through the trunk's ``logits``, or
+    (…, k) over the subset of ``vocab`` (a ``draft_vocab.DraftVocabulary``; None: the full vocabulary)."""
+    return trunk.logits(head_output) if vocab is None else vocab.logits(head_output)
+
+
+def propose(logits: mx.array, sampling=None, vocab=None) -> tuple[mx.array, mx.array | None]:
+    """Draft tokens from draft logits (``draft_logits``).
+
+    Args:
+        logits: (B, V) draft logits, or (B, k) over the subset of ``vocab``.
+        sampling: None for the argmax, else a ``decoding.Sampling``: a sample of q, its distribution.
+        vocab: the ``draft_vocab.DraftVocabulary`` the logits are over (indices map back to full-vocabulary ids, q
+            is zero outside its subset), or None.
+
+    Returns:
+        draft token ids (B,) and, when sampling, q (B, V) float32 (else None).
+    """
+    if sampling is None:
+        index = mx.argmax(logits, axis=-1)
+        return (index, None) if vocab is None else (vocab.tokens(index), None)
+    q = sampling.probs(log_softmax(logits.astype(mx.float32)))
+    index = mx.random.categorical(mx.log(q))
+    return (index, q) if vocab is None else (vocab.tokens(index), vocab.spread(q))
+
+
 class Drafter:
     """Drafting with a loaded MTP head.
 
@@ -80,10 +106,11 @@ class Drafter:
         trunk: the trunk's ``embed`` / ``logits`` functions (``decoding.Trunk``).
         cache: the head's empty trimmable KV cache.
         sampling: None for greedy drafts, else a ``decoding.Sampling`` (drafts drawn from q).
+        vocab: the head's ``draft_vocab.DraftVocabulary`` (drafts from its subset only), or None.
     """
 
-    def __init__(self, head: nn.Module, trunk, cache, sampling=None):
-        self.head, self.trunk, self.cache, self.sampling = head, trunk, cache, sampling
+    def __init__(self, head: nn.Module, trunk, cache, sampling=None, vocab=None):
+        self.head, self.trunk, self.cache, self.sampling, self.vocab = head, trunk, cache, sampling, vocab
         self.pending = PendingPairs()
         self.stopped = False
         self.committed = 0  # pairs committed so far: the next one's hidden is that of token ``committed``
@@ -96,11 +123,7 @@ class Drafter:
 
     def choose(self, g: mx.array) -> tuple[mx.array, mx.array | None]:
         """Draft token (1,) from head output g (1, 1, H): the argmax, or a sample from q (1, V) when sampling."""
-        logits = self.trunk.logits(g)[0]
-        if self.sampling is None:
-            return mx.argmax(logits, axis=-1), None
-        q = self.sampling.probs(log_softmax(logits.astype(mx.float32)))
-        return mx.random.categorical(mx.log(q)), q
+        return propose(draft_logits(g[0], self.trunk, self.vocab), self.sampling, self.vocab)
 
     def prefill(self, carry: mx.array | None, hidden: mx.array, tokens: mx.array) -> mx.array:
         """Feed the pairs a prompt chunk completes (``carry``: the previous chunk's last hidden, or None).

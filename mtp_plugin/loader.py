@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import health
+from . import draft_vocab, health
 from .checkpoint import CheckpointError, HeadLocation, find_head
 from .conventions import (
     ZERO_CENTRED,
@@ -43,6 +43,8 @@ class LoadedHead:
         health: lifetime acceptance of the head and whether it is parked (``health.HeadHealth``).
         batching: a runtime adapter's state for batched MTP decoding with this head (e.g. its depth
             policies per batch size), created on first use and kept across batches.
+        draft_vocab: the tuned subset of the vocabulary the head drafts from (``draft_vocab.DraftVocabulary``), or
+            None: the full vocabulary.
     """
 
     module: nn.Module
@@ -53,6 +55,7 @@ class LoadedHead:
     controller: object | None = None
     health: HeadHealth | None = None
     batching: object | None = None
+    draft_vocab: object | None = None
 
     def __post_init__(self):
         if self.health is None:
@@ -65,8 +68,9 @@ class LoadedHead:
         quant = ",".join(sorted(set(self.quantization.values())))
         zero = sum(d.convention == ZERO_CENTRED for d in self.norms.values())
         parked = f"; parked: {self.health.parked}" if self.health.parked else ""
+        vocab = "" if self.draft_vocab is None else f", draft vocabulary {self.draft_vocab.size} tokens"
         return (f"head from {files} ({', '.join(self.location.naming)}), {quant}, "
-                f"norms: {zero} zero-centred / {len(self.norms) - zero} absolute{parked}")
+                f"norms: {zero} zero-centred / {len(self.norms) - zero} absolute{vocab}{parked}")
 
 
 def load_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | None:
@@ -132,13 +136,15 @@ def _quantize_like(head: nn.Module, weights: dict) -> dict[str, str]:
 def attach_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | None:
     """Load the head of ``model_dir`` and keep it on ``model.mtp_head`` (a plain attribute, not a child).
 
-    Norm conventions that the files leave open are settled by the head's own predictions (``settle.py``).
+    Norm conventions that the files leave open are settled by the head's own predictions (``settle.py``); a draft
+    vocabulary recorded by ``mtp-plugin tune`` is attached (``draft_vocab.attach``).
     Never raises for a bad head: the trunk stays usable, the problem is logged once as a warning.
     """
     try:
         model.mtp_head = load_head(model, model_dir, config)
         if model.mtp_head is not None:
             settle_norms(model)
+            draft_vocab.attach(model, model.mtp_head)
     except (CheckpointError, ValueError) as e:
         log.warning("mtp_plugin: MTP head ignored, decoding without it: %s", e)
         model.mtp_head = None

@@ -21,7 +21,8 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from . import rollback
-from .drafter import log_softmax
+from .decoding import accept_greedy
+from .drafter import draft_logits, log_softmax, propose
 from .plugins import hook
 from .stats import MTPStats
 
@@ -78,7 +79,7 @@ def runtime_decoder(model):
 
 
 def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens: int,
-               repeats: int, label: str = "measure") -> dict[str, Result]:
+               repeats: int, label: str = "measure", setup=None) -> dict[str, Result]:
     """Measure each candidate, interleaved, with a progress bar on stderr (phases ``LABEL: warm-up``,
     ``LABEL: decode``; the candidate and repeat as its postfix).
 
@@ -90,15 +91,19 @@ def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens
         max_tokens: tokens generated per prompt (≥ 2: speeds count the tokens after the first).
         repeats: repeats of the whole suite (≥ 1).
         label: the command (or runtime) named in the progress bar.
+        setup: ``setup(name)`` called before each run of candidate ``name`` (e.g. to give the head a draft
+            vocabulary), or None.
 
     Returns:
         name → Result, in the order of ``depths``.
     """
     runs: dict[str, list[float]] = {name: [] for name in depths}
     totals: dict[str, MTPStats | None] = dict.fromkeys(depths)
+    setup = setup or (lambda name: None)
     with tqdm(total=len(depths) * (1 + repeats * len(prompts)), desc=f"{label}: warm-up", unit="run") as progress:
         for name, depth in depths.items():  # warm-up: first calls allocate and trace
             progress.set_postfix_str(name)
+            setup(name)
             _timed(decode(prompts[0], 8, depth))
             progress.update()
         progress.set_description(f"{label}: decode")
@@ -107,6 +112,7 @@ def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens
             for prompt in prompts:
                 for name, depth in depths.items():
                     progress.set_postfix_str(f"{name}, run {repeat + 1}/{repeats}")
+                    setup(name)
                     n, s = _timed(decode(prompt, max_tokens, depth))
                     progress.update()
                     tokens[name], seconds[name] = tokens[name] + n, seconds[name] + s
@@ -118,14 +124,20 @@ def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens
     return {name: Result(name, statistics.median(runs[name]), runs[name], totals[name]) for name in depths}
 
 
-def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30) -> dict:
+def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30, vocab=None) -> dict:
     """Seconds of the loop's parts with a warm cache, each ending in one host sync, medians over ``repeats``.
 
+    Args:
+        vocab: a ``draft_vocab.DraftVocabulary``: draft steps are also timed with their logits over its subset
+            (``draft_subset``); None: full vocabulary only.
+
     Returns:
-        ``{"plain": t(1), "verify": {k: t_verify(k)}, "draft": {d: t_draft(d)}}``: a plain step (1-token
-        trunk pass, logits, log-softmax, argmax); a verify pass of k = 2..max_depth+1 tokens with rollback
-        capture, its logits and log-softmax; d = 1..max_depth draft steps of the head with its lm_head and
-        argmax. Seconds.
+        ``{"plain": t(1), "verify": {k: t_verify(k)}, "draft": {d: t_draft(d)}, "draft_subset": {d: …},
+        "host": {d: …}}``: a plain step (1-token trunk pass, logits, log-softmax, argmax); a verify pass of
+        k = 2..max_depth+1 tokens with rollback capture, its logits and log-softmax; d = 1..max_depth draft steps of
+        the head with its output projection and argmax (``draft_subset`` only with ``vocab``); the host's share of
+        a cycle at depth d: building its graph (drafts over ``vocab`` when given, verify pass, acceptance) without
+        evaluating it. Seconds.
     """
     head = model.mtp_head.module
     trunk = hook().mtp_trunk(model=model, contract=head.contract)
@@ -147,24 +159,50 @@ def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30)
         mx.eval(mx.argmax(log_softmax(trunk.trunk_logits(h[0])), axis=-1))
         recorder.commit(cache, 1)  # the cache grows by one token per measurement, as in decoding
 
-    def draft(d):
+    def draft(d, subset=None):
         g, x = last_hidden, token
         for _ in range(d):
             g = head(g, trunk.embed(x[None]), cache=head_cache)
-            x = mx.argmax(trunk.logits(g)[0], axis=-1)
+            x = propose(draft_logits(g[0], trunk, subset), vocab=subset)[0]
         mx.eval(x)
         head_cache.trim(d)
+
+    def host(d):
+        """Build a whole cycle's graph (d draft steps, the verify pass, greedy acceptance); returns the seconds
+        building took, then evaluates it and rolls back (not timed)."""
+        start = time.perf_counter()
+        g, x, drafts = last_hidden, token, []
+        for _ in range(d):
+            g = head(g, trunk.embed(x[None]), cache=head_cache)
+            x = propose(draft_logits(g[0], trunk, vocab), vocab=vocab)[0]
+            drafts.append(x)
+        inputs = mx.concatenate([token, *drafts])
+        with rollback.capturing(d + 1) as recorder:
+            h = trunk.hidden(inputs[None], cache)
+        outcome = accept_greedy(log_softmax(trunk.trunk_logits(h[0])), inputs[1:])
+        built = time.perf_counter() - start
+        mx.eval(outcome)
+        recorder.commit(cache, 1)
+        head_cache.trim(d)
+        return built
 
     parts = {("plain", 1): plain}
     parts.update({("verify", k): (lambda k=k: verify(k)) for k in range(2, max_depth + 2)})
     parts.update({("draft", d): (lambda d=d: draft(d)) for d in range(1, max_depth + 1)})
+    if vocab is not None:
+        parts.update({("draft_subset", d): (lambda d=d: draft(d, vocab)) for d in range(1, max_depth + 1)})
+    parts.update({("host", d): (lambda d=d: host(d)) for d in range(1, max_depth + 1)})
     seconds: dict = {part: [] for part in parts}
     for _ in tqdm(range(repeats), desc="bench: component costs", unit="round"):
         for part, run in parts.items():
             start = time.perf_counter()
-            run()
-            seconds[part].append(time.perf_counter() - start)
+            own = run()  # a part that times itself returns its seconds
+            seconds[part].append(time.perf_counter() - start if own is None else own)
     median = {part: statistics.median(s) for part, s in seconds.items()}
-    return {"plain": median[("plain", 1)],
-            "verify": {k: median[("verify", k)] for k in range(2, max_depth + 2)},
-            "draft": {d: median[("draft", d)] for d in range(1, max_depth + 1)}}
+    costs = {"plain": median[("plain", 1)],
+             "verify": {k: median[("verify", k)] for k in range(2, max_depth + 2)},
+             "draft": {d: median[("draft", d)] for d in range(1, max_depth + 1)},
+             "host": {d: median[("host", d)] for d in range(1, max_depth + 1)}}
+    if vocab is not None:
+        costs["draft_subset"] = {d: median[("draft_subset", d)] for d in range(1, max_depth + 1)}
+    return costs

@@ -3,12 +3,14 @@ plugin that serves it, with the MTP decoding loop, to every family whose trunk i
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map
 
 from .hookspecs import hookimpl
 
@@ -148,6 +150,24 @@ class StackTrunk:
             return self.text_model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
+    def _projection(self):
+        """The module whose rows are the vocabulary's: the lm_head, or the tied embedding."""
+        return self.text_model.embed_tokens if self.lm_head is None else self.lm_head
+
+    def vocab_size(self) -> int:
+        """V, the width of the logits (rows of the output projection)."""
+        return self._projection().weight.shape[0]
+
+    def logits_over(self, ids):
+        """``hidden (…, H) -> logits (…, k)`` over token ``ids`` (k,) only: a copy of those rows of the output
+        projection, made once (quantized rows stay quantized with their scales and biases; no re-quantization).
+        Each logit equals the full projection's at that id up to the order of accumulation."""
+        source = self._projection()
+        rows = copy.copy(source)
+        rows.update(tree_map(lambda a: a[ids], source.parameters()))
+        mx.eval(rows.parameters())
+        return rows if self.lm_head is not None else rows.as_linear
+
     def trunk_logits(self, hidden):
         """(…, V) trunk logits of ``hidden`` output: the final norm first when it was bypassed (``pre_norm``)."""
         return self.logits(self.text_model.norm(hidden) if self.pre_norm else hidden)
@@ -176,4 +196,4 @@ def mtp_generate_step(prompt, model, options):
         return None
     head, options = loaded.module, dict(options)
     trunk = StackTrunk(model, head.contract, options.pop("prompt_inputs", None))
-    return decoding.generate(prompt, trunk, head, health=loaded.health, **options)
+    return decoding.generate(prompt, trunk, head, health=loaded.health, draft_vocab=loaded.draft_vocab, **options)

@@ -89,7 +89,8 @@ def _write_json(path: Path, data: dict) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
 
 
-def record(model_dir: Path, depth: int, results: dict, write_config: bool = False) -> Path:
+def record(model_dir: Path, depth: int, results: dict, write_config: bool = False,
+           draft_vocab: list[int] | None = None) -> Path:
     """Record the tuned ``depth`` (0: plain) for ``model_dir`` in the user cache, and in its config.json if asked.
 
     Args:
@@ -97,6 +98,7 @@ def record(model_dir: Path, depth: int, results: dict, write_config: bool = Fals
         depth: the recommended draft depth, 0..8 (0: plain decoding).
         results: measurements to keep with the record (JSON-serialisable).
         write_config: also set ``mtp_tuned_depth`` in ``model_dir/config.json`` (atomic replace).
+        draft_vocab: the token ids of the tuned draft vocabulary (``draft_vocab.py``), None for the full one.
 
     Returns:
         The user cache file written.
@@ -116,17 +118,27 @@ def record(model_dir: Path, depth: int, results: dict, write_config: bool = Fals
     path = cache_file()
     data = _read(path)
     data.setdefault("records", {})[record_key] = {
-        **identity, "depth": depth, "results": results,
+        **identity, "depth": depth, "draft_vocab": draft_vocab, "results": results,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     _write_json(path, data)
     return path
+
+
+def recorded(model_dir: Path) -> dict | None:
+    """The user cache's record for ``model_dir`` on this machine with these versions (``depth``, ``draft_vocab``,
+    ``results``, …), or None. Never raises."""
+    try:
+        found = _read(cache_file()).get("records", {}).get(key(model_dir)[0])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def recorded_depth(model_dir: Path) -> int | None:
     """The tuned depth for ``model_dir`` (0: plain): the user cache's record for this model, machine and
     versions, else config.json's ``mtp_tuned_depth``, else None. Never raises."""
     try:
-        found = _read(cache_file()).get("records", {}).get(key(model_dir)[0])
+        found = recorded(model_dir)
         if found is not None:
             return int(found["depth"])
         value = json.loads((Path(model_dir) / "config.json").read_text()).get(CONFIG_KEY)

@@ -81,6 +81,37 @@ def test_mtp_sampling_matches_trunk_distribution(model, temp, top_k, depth):
     assert chi_square_p(np.array(third), m3) > 1e-3
 
 
+def test_mtp_sampling_with_draft_vocabulary_matches_trunk_distribution(model, monkeypatch):
+    """Drafts from half the vocabulary only (q zero outside it): the output keeps the trunk's distribution, and no
+    draft is ever outside the subset."""
+    from mtp_plugin import draft_vocab
+    from mtp_plugin.drafter import Drafter
+    from mtp_plugin.plugins import hook
+
+    ids = list(range(0, VOCAB, 2))
+    model.mtp_head.draft_vocab = draft_vocab.build(
+        hook().mtp_trunk(model=model, contract=model.mtp_head.module.contract), ids, "test")
+    drafted, original = [], Drafter.draft
+    monkeypatch.setattr(Drafter, "draft", lambda self, d: drafted.extend((out := original(self, d))[0].reshape(-1)
+                                                                          .tolist()) or out)
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    sampler = make_sampler(temp=1.0)
+    mx.random.seed(4321)
+    second, third = [], []
+    try:
+        for _ in range(RUNS):
+            out = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=3, sampler=sampler, mtp_depth=2)]
+            second.append(out[1])
+            third.append(out[2])
+    finally:
+        model.mtp_head.draft_vocab = None
+    assert set(drafted) <= set(ids)
+    assert set(second) - set(ids)  # tokens outside the subset are still emitted (through the residual)
+    m2, m3 = exact_marginals(model, 1.0, 0)
+    assert chi_square_p(np.array(second), m2) > 1e-3
+    assert chi_square_p(np.array(third), m3) > 1e-3
+
+
 @pytest.mark.parametrize("depth", [None, 0, 3])
 def test_same_seed_same_tokens(model, depth):
     """As in stock mlx-lm, a seed fixes the sampled tokens: the automatic depth of a sampled generation does not

@@ -8,15 +8,17 @@ import importlib
 import json
 import os
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from mtp_plugin import tuning
+from mtp_plugin import draft_vocab, tuning
 from mtp_plugin.bench import bench, efficiency, render
 from mtp_plugin.cli import main
+from mtp_plugin.tune import token_counts
 
 HF = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5" / "hf"
 QUICK = ["--depths", "2", "--max-tokens", "6", "--repeats", "1"]
@@ -30,15 +32,24 @@ def model_dir(tmp_path, monkeypatch):
 
 
 def test_tune_records_in_user_cache_and_config(model_dir, capsys):
-    assert main(["tune", str(model_dir), *QUICK, "--write"]) == 0
+    text = model_dir / "words.txt"
+    text.write_text("def parse(value):\n    return value.strip()\n" * 20)
+    assert main(["tune", str(model_dir), *QUICK, "--write", "--vocab-text", str(text)]) == 0
     out = capsys.readouterr().out
     assert [line.split()[0] for line in out.splitlines()[1:4]] == ["plain", "depth", "depth"]
-    assert "recommended:" in out
+    assert "recommended:" in out and "draft vocabulary at depth" in out
     records = json.loads(tuning.cache_file().read_text())["records"]
     (record,) = records.values()
-    assert record["model"] == str(model_dir.resolve()) and set(record["results"]) == {"plain", "depth 1", "depth 2"}
+    assert record["model"] == str(model_dir.resolve())
+    sizes = draft_vocab.candidate_sizes(2048)
+    depth = max(record["depth"], 1)
+    assert set(record["results"]) == {"plain", "depth 1", "depth 2", "vocabulary: plain", f"vocabulary: depth {depth}",
+                                      *(f"vocabulary: depth {depth} S={k}" for k in sizes)}
     assert 0 <= record["depth"] <= 2
     assert json.loads((model_dir / "config.json").read_text())[tuning.CONFIG_KEY] == record["depth"]
+    written = json.loads((model_dir / draft_vocab.FILE_NAME).read_text())
+    assert written["token_ids"] == record["draft_vocab"]  # the subset chosen, or None: the full vocabulary
+    assert record["draft_vocab"] is None or len(record["draft_vocab"]) in sizes
     assert tuning.recorded_depth(model_dir) == record["depth"]  # --write kept the key
     assert not [p for p in tuning.cache_file().parent.iterdir() if p.name.startswith(".")]  # no temp files left
 
@@ -103,9 +114,17 @@ def test_bench_report(model_dir, capsys):
     assert depth1["passes_per_token"] == pytest.approx(1 / depth1["tokens_per_cycle"])
     assert depth1["efficiency"] == pytest.approx(depth1["speedup"] / depth1["ideal"])
     assert set(report["costs"]["verify"]) == {2} and set(report["costs"]["draft"]) == {1}
+    assert set(report["costs"]["draft_subset"]) == {1} and report["costs"]["subset_size"] == 256  # cost only: V/8
+    assert not report["costs"]["subset_tuned"] and report["costs"]["host"][1] > 0
     assert len(report["references"]) == 1  # mlx-vlm is installed: its native MTP, or why not
     text = render(report)
-    assert "t_verify(k)/t(1)" in text and "mlx-vlm" in text
+    assert "t_verify(k)/t(1)" in text and "mlx-vlm" in text and "host ms per cycle" in text
+    assert "draft vocabulary of 256 tokens (none tuned: cost only)" in text and "plain decoding's own loop" in text
+
+
+def test_vocab_text_token_counts():
+    counts = token_counts(lambda prompt, n, depth: iter(prompt[:n]), [[1, 2, 2], [2, 5]], 2, [9, 9, 1])
+    assert counts == Counter({1: 2, 2: 2, 5: 1, 9: 2})
 
 
 def test_bad_arguments(model_dir, capsys):
@@ -113,3 +132,5 @@ def test_bad_arguments(model_dir, capsys):
     with pytest.raises(SystemExit, match="2"):
         main(["tune", str(model_dir), "--depths", "9"])
     assert "argument --depths: must be 1-8, got 9" in capsys.readouterr().err
+    assert main(["tune", str(model_dir), "--vocab-text", str(model_dir / "missing.txt")]) == 2  # before loading
+    assert "missing.txt: cannot be read as text" in capsys.readouterr().err
