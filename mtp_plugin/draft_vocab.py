@@ -124,7 +124,7 @@ def _stored(model_dir: Path) -> tuple[list[int] | None, str] | None:
         return None
     try:
         data = json.loads(path.read_text())
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise ValueError(f"{path}: not JSON ({e})") from None
     if not isinstance(data, dict) or "token_ids" not in data:
         raise ValueError(f"{path}: expected an object with token_ids")

@@ -158,8 +158,11 @@ def tune(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int =
     check_measure_options(depths, max_tokens, repeats)
     if write:
         check_replaceable(Path(model_dir) / "config.json")
-        if (Path(model_dir) / draft_vocab.FILE_NAME).exists():
-            check_replaceable(Path(model_dir) / draft_vocab.FILE_NAME)
+        vocab_file = Path(model_dir) / draft_vocab.FILE_NAME
+        if vocab_file.exists() and not vocab_file.is_file():
+            raise UsageError(f"{vocab_file}: not a file; remove it, or run tune without --write")
+        if vocab_file.exists():
+            check_replaceable(vocab_file)
     text = read_text(vocab_text)
     model, tokenizer = load(model_dir)
     loaded = model.mtp_head
@@ -177,7 +180,7 @@ def tune(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int =
     ids = vocabulary["token_ids"]
     results = {**{r["name"]: r["tokens_per_second"] for r in rows},
                **{f"vocabulary: {r['name']}": r["tokens_per_second"] for r in vocabulary["candidates"]}}
-    path = tuning.record(Path(model_dir), depth, results, write, ids)
     if write:
         draft_vocab.write(Path(model_dir), ids, results)
+    path = tuning.record(Path(model_dir), depth, results, write, ids)
     return {"candidates": rows, "depth": depth, "vocabulary": vocabulary, "cache": str(path), "written": write}

@@ -76,11 +76,15 @@ def key(model_dir: Path) -> tuple[str, dict]:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24], identity
 
 
-def _read(path: Path) -> dict:
+def _records(path: Path) -> dict:
+    """The records of the user cache file ``path``: {} when it is missing, unreadable or not of the expected shape
+    (a damaged cache is ignored, and replaced by the next ``record``)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
         return {}
+    records = data.get("records") if isinstance(data, dict) else None
+    return records if isinstance(records, dict) else {}
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -116,11 +120,11 @@ def record(model_dir: Path, depth: int, results: dict, write_config: bool = Fals
         _write_json(config_path, config)
     record_key, identity = key(model_dir)
     path = cache_file()
-    data = _read(path)
-    data.setdefault("records", {})[record_key] = {
+    records = _records(path)
+    records[record_key] = {
         **identity, "depth": depth, "draft_vocab": draft_vocab, "results": results,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    _write_json(path, data)
+    _write_json(path, {"records": records})
     return path
 
 
@@ -128,7 +132,7 @@ def recorded(model_dir: Path) -> dict | None:
     """The user cache's record for ``model_dir`` on this machine with these versions (``depth``, ``draft_vocab``,
     ``results``, …), or None. Never raises."""
     try:
-        found = _read(cache_file()).get("records", {}).get(key(model_dir)[0])
+        found = _records(cache_file()).get(key(model_dir)[0])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return found if isinstance(found, dict) else None

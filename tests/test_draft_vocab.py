@@ -134,7 +134,7 @@ def test_loading_picks_up_the_tuned_subset(model_dir, monkeypatch):
     assert load(str(model_dir))[0].mtp_head.draft_vocab is None
 
 
-@pytest.mark.parametrize("content", ["{not json", json.dumps({"token_ids": [1, 1, 2]}),
+@pytest.mark.parametrize("content", ["{not json", "[" * 100000, json.dumps({"token_ids": [1, 1, 2]}),
                                      json.dumps({"token_ids": [1, 99999]}), json.dumps([1, 2])])
 def test_unusable_subset_file_is_ignored_with_a_warning(model_dir, content, caplog):
     (model_dir / draft_vocab.FILE_NAME).write_text(content)
@@ -146,3 +146,13 @@ def test_unusable_subset_file_is_ignored_with_a_warning(model_dir, content, capl
     out = list(generate_step(mx.array(tokenizer.encode(PROMPT)), model, max_tokens=5, mtp_depth=2,
                              sampler=make_sampler(0.0)))
     assert len(out) == 5
+
+
+@pytest.mark.parametrize("damaged", ['{"records": 5}', "[]", '{"records": [1]}', "{"])
+def test_damaged_user_cache_is_ignored_and_replaced(model_dir, damaged):
+    tuning.cache_file().parent.mkdir(parents=True)
+    tuning.cache_file().write_text(damaged)
+    draft_vocab.write(model_dir, [1, 2, 3], {})
+    assert load(str(model_dir))[0].mtp_head.draft_vocab.ids.tolist() == [1, 2, 3]  # the model's file, as if no cache
+    tuning.record(model_dir, 1, {}, draft_vocab=[4, 5])
+    assert tuning.recorded(model_dir)["draft_vocab"] == [4, 5]

@@ -134,3 +134,8 @@ def test_bad_arguments(model_dir, capsys):
     assert "argument --depths: must be 1-8, got 9" in capsys.readouterr().err
     assert main(["tune", str(model_dir), "--vocab-text", str(model_dir / "missing.txt")]) == 2  # before loading
     assert "missing.txt: cannot be read as text" in capsys.readouterr().err
+    config = (model_dir / "config.json").read_text()
+    (model_dir / draft_vocab.FILE_NAME).mkdir()
+    assert main(["tune", str(model_dir), "--write"]) == 2  # refused before measuring: nothing written
+    assert f"{draft_vocab.FILE_NAME}: not a file" in capsys.readouterr().err
+    assert (model_dir / "config.json").read_text() == config and not tuning.cache_file().exists()
