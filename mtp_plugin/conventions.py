@@ -81,8 +81,8 @@ def decide_norm(values: np.ndarray, declared: str | None = None,
     Evidence, strongest first: a convention declared in metadata; negative entries (an absolute
     scale is never negative in a trained model); all entries ≈ 0 (an absolute scale of 0 would erase
     the signal); the file it is stored in (``checkpoint.file_conventions``). Without any of these the
-    decision is provisional (absolute, as stored, ``settled`` False): the loader settles it by the head's
-    own predictions (``settle.py``).
+    decision is provisional (absolute, as stored, ``settled`` False): the first prompt with enough evidence settles
+    it by the head's own predictions of the prompt's tokens, per tensor (``settle.py``).
 
     Args:
         values: the stored weight, any float dtype, shape (H,).
@@ -100,7 +100,7 @@ def decide_norm(values: np.ndarray, declared: str | None = None,
     if file_evidence is not None:
         return NormDecision(*file_evidence)
     return NormDecision(ABSOLUTE, "all entries positive and no evidence in its file: read as stored until the "
-                        "loader settles it by the head's own predictions", settled=False)
+                        "first prompt settles it by the head's own predictions", settled=False)
 
 
 def quantization_of(weight_shape: tuple[int, ...], scales_shape: tuple[int, ...] | None,

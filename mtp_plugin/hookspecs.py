@@ -68,8 +68,8 @@ def mtp_stored_norm_convention(config: dict, shapes: dict, pytorch: bool) -> tup
     ``(convention, why)``: ``conventions.ZERO_CENTRED`` when the runtime adds 1 at load (Qwen3.5's original
     Hugging Face layout), ``conventions.ABSOLUTE`` when it uses them as stored (an MLX conversion; DeepSeek-V3 and
     GLM-4 in every layout). A head stored in that file shares its trunk's convention. None: no evidence (the
-    loader then settles the head's norms by its own predictions). Negative entries, a stronger evidence, are
-    checked by the core first."""
+    first prompt then settles the head's norms by its own predictions, per tensor). Negative entries, a stronger
+    evidence, are checked by the core first."""
 
 
 @hookspec(firstresult=True)

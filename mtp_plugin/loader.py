@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import draft_vocab, health
+from . import draft_vocab, health, settle
 from .checkpoint import CheckpointError, HeadLocation, find_head
 from .conventions import (
     ZERO_CENTRED,
@@ -21,7 +21,6 @@ from .conventions import (
 from .diagnostics import head_statistics, judge
 from .health import HeadHealth
 from .plugins import hook
-from .settle import settle_norms
 from .stats import MTPStats
 from .validation import validate
 
@@ -35,7 +34,8 @@ class LoadedHead:
     Attributes:
         module: the ``MTPHead`` (weights loaded, norms absolute, quantized as stored).
         location: where its tensors came from.
-        norms: convention decided per RMSNorm weight (canonical name → decision).
+        norms: convention decided per RMSNorm weight (canonical name → decision); those the files leave open are
+            settled by the first prompt with enough evidence (``settle.py``).
         quantization: label per linear module path (``int4/g64``, ``bf16`` …).
         stats: counters of the last generation that used this head, or None.
         controller: the adaptive depth controller (``controller.DepthController``) of automatic-depth
@@ -67,10 +67,12 @@ class LoadedHead:
         files = ", ".join(self.location.display(f) for f in self.location.files)
         quant = ",".join(sorted(set(self.quantization.values())))
         zero = sum(d.convention == ZERO_CENTRED for d in self.norms.values())
+        pending = sum(not d.settled for d in self.norms.values())
+        open_norms = f", {pending} read as stored until a prompt settles them" if pending else ""
         parked = f"; parked: {self.health.parked}" if self.health.parked else ""
         vocab = "" if self.draft_vocab is None else f", draft vocabulary {self.draft_vocab.size} tokens"
         return (f"head from {files} ({', '.join(self.location.naming)}), {quant}, "
-                f"norms: {zero} zero-centred / {len(self.norms) - zero} absolute{vocab}{parked}")
+                f"norms: {zero} zero-centred / {len(self.norms) - zero} absolute{open_norms}{vocab}{parked}")
 
 
 def load_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | None:
@@ -136,14 +138,15 @@ def _quantize_like(head: nn.Module, weights: dict) -> dict[str, str]:
 def attach_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | None:
     """Load the head of ``model_dir`` and keep it on ``model.mtp_head`` (a plain attribute, not a child).
 
-    Norm conventions that the files leave open are settled by the head's own predictions (``settle.py``); a draft
-    vocabulary recorded by ``mtp-plugin tune`` is attached (``draft_vocab.attach``).
+    Norm conventions that the files leave open are kept open, read as stored, for the first prompt with enough
+    evidence to settle them (``settle.attach``); a draft vocabulary recorded by ``mtp-plugin tune`` is attached
+    (``draft_vocab.attach``).
     Never raises for a bad head: the trunk stays usable, the problem is logged once as a warning.
     """
     try:
         model.mtp_head = load_head(model, model_dir, config)
         if model.mtp_head is not None:
-            settle_norms(model)
+            settle.attach(model.mtp_head)
             draft_vocab.attach(model, model.mtp_head)
     except (CheckpointError, ValueError) as e:
         log.warning("mtp_plugin: MTP head ignored, decoding without it: %s", e)

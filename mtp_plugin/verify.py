@@ -5,6 +5,11 @@ the head drafts token t+2 from (h[t], x[t+1]) and the draft counts as accepted w
 trunk's own argmax at t+1. A wrong contract (hidden before/after the final norm, concat order) or a
 wrong norm convention makes acceptance collapse without any error (seed 003), so every combination
 is measured and the best reported; ``--write`` records it in config.json.
+
+Norm readings swept: ``decided`` (the loader's, with the norms its files leave open settled on the text as a
+generation with it as its prompt settles them: ``settle.on_prompt``), ``per_tensor`` (every norm's reading searched
+per tensor on the text, evidence-decided norms included: ``settle.search`` from ``decided``), ``stored_absolute``
+and ``all_zero_centred``.
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from tqdm import tqdm
 
+from . import settle
 from .checkpoint import CheckpointError, load_tensors
 from .conventions import ABSOLUTE, CONTRACT_KEY, NORM_KEY, ZERO_CENTRED, Contract
 from .files import atomic_write, check_replaceable
@@ -27,6 +32,7 @@ from .usage import UsageError
 
 MAX_TOKENS = 1024
 MIN_TOKENS = 2  # a draft of token t+2 from (h[t], x[t+1]) needs two tokens
+SEARCH_POSITIONS = 512  # positions of the text the per-tensor search scores (log-likelihoods (N, V) in float32)
 
 
 @dataclass(frozen=True)
@@ -39,33 +45,37 @@ class Candidate:
     acceptance: float
 
 
-def _norm_sets(loaded) -> dict[str, tuple[dict, dict]]:
-    """For each norm reading of the loaded head ``loaded``: (norm weights as the head should load them, conventions
-    to record). "decided" is the loader's own reading: the files' evidence, settled by the head's predictions where
-    the files leave it open (``settle.py``)."""
+def _norm_sets(loaded, score) -> tuple[dict[str, dict[str, str]], dict[str, dict[str, mx.array]]]:
+    """The norm readings swept for the loaded head ``loaded`` (see the module docstring), as conventions per norm,
+    and each norm's weight under each convention (from the weights as its files store them).
+
+    Args:
+        score: ``settle.prompt_score`` of the text, for the per-tensor search; None: a text too short for one
+            (under ``settle.MIN_POSITIONS`` positions), ``per_tensor`` is then ``decided``.
+    """
     location = loaded.location
     stored = hook().mtp_sanitize_head(weights=load_tensors(list(location.tensors.values())),
                                       config=location.config)
-    loaded_weights = dict(tree_flatten(loaded.module.parameters()))
     names = sorted(loaded.norms)
-    return {
-        "decided": ({n: loaded_weights[n] for n in names}, {n: d.convention for n, d in loaded.norms.items()}),
-        "stored_absolute": ({n: stored[n] for n in names}, dict.fromkeys(names, ABSOLUTE)),
-        "all_zero_centred": ({n: (stored[n].astype(mx.float32) + 1).astype(stored[n].dtype) for n in names},
-                             dict.fromkeys(names, ZERO_CENTRED)),
-    }
+    candidates = {n: settle.readings(stored[n]) for n in names}
+    decided = {n: loaded.norms[n].convention for n in names}
+    per_tensor = decided if score is None else settle.search(loaded.module, candidates, decided, score)[0]
+    sets = {"decided": decided, "per_tensor": per_tensor, "stored_absolute": dict.fromkeys(names, ABSOLUTE),
+            "all_zero_centred": dict.fromkeys(names, ZERO_CENTRED)}
+    return sets, candidates
 
 
-def sweep(model, tokens: mx.array) -> list[Candidate]:
-    """Acceptance of every wiring for trunk ``model`` (with ``model.mtp_head``) on ``tokens`` (T,), best first."""
+def sweep(model, tokens: mx.array) -> tuple[list[Candidate], dict[str, dict[str, str]]]:
+    """Acceptance of every wiring for trunk ``model`` (with ``model.mtp_head``) on ``tokens`` (T,), best first, and
+    the conventions per norm of each norm reading swept.
+
+    The norms the files leave open are settled on ``tokens`` first, as by a prompt (``settle.on_prompt``)."""
     loaded = model.mtp_head
     head = loaded.module
-    original = dict(head.parameters())
     trunks = {h: hook().mtp_trunk(model=model, contract=Contract(hidden=h)) for h in ("post_norm", "pre_norm")}
     inputs = tokens[None]
     wirings = list(itertools.product(("post_norm", "pre_norm"), ("embedding_first", "hidden_first")))
-    norm_sets = _norm_sets(loaded)
-    progress = tqdm(total=len(trunks) + len(norm_sets) * len(wirings), desc="verify: trunk passes", unit="pass")
+    progress = tqdm(total=len(trunks) + 4 * len(wirings), desc="verify: trunk passes", unit="pass")
     hidden = {}
     for h, t in trunks.items():
         hidden[h] = t.hidden(inputs, None)
@@ -73,11 +83,18 @@ def sweep(model, tokens: mx.array) -> list[Candidate]:
         progress.update()
     target = mx.argmax(trunks["post_norm"].trunk_logits(hidden["post_norm"]), axis=-1)[0, 1:]
     embeddings = trunks["post_norm"].embed(inputs[:, 1:])
+    own = head.contract.hidden
+    _, head_cache = hook().mtp_new_caches(model=model)
+    settle.on_prompt(head, trunks[own], hidden[own][:, :-1], tokens[1:], head_cache)
+    original = dict(head.parameters())
     progress.set_description("verify: wiring sweep")
     results = []
     try:
-        for norms, (weights, _) in norm_sets.items():
-            head.load_weights(list(weights.items()), strict=False)
+        score = None if tokens.size - 2 < settle.MIN_POSITIONS else settle.prompt_score(
+            head, trunks[own], hidden[own][:, :-1], tokens[1:], head_cache, SEARCH_POSITIONS)
+        norm_sets, candidates = _norm_sets(loaded, score)
+        for norms, conventions in norm_sets.items():
+            head.load_weights([(n, candidates[n][c]) for n, c in conventions.items()], strict=False)
             for h, order in wirings:
                 head.contract = Contract(hidden=h, concat_order=order)
                 draft = mx.argmax(trunks[h].logits(head(hidden[h][:, :-1], embeddings)), axis=-1)[0]
@@ -87,7 +104,7 @@ def sweep(model, tokens: mx.array) -> list[Candidate]:
         progress.close()
         head.update(original)
         head.contract = Contract.from_metadata({**loaded.location.metadata, **loaded.location.config})
-    return sorted(results, key=lambda c: -c.acceptance)
+    return sorted(results, key=lambda c: -c.acceptance), norm_sets
 
 
 def verify(model_dir: Path, text: str, write: bool = False) -> dict:
@@ -110,23 +127,23 @@ def verify(model_dir: Path, text: str, write: bool = False) -> dict:
     if tokens.size < MIN_TOKENS:
         raise UsageError(f"the prompt text has {tokens.size} token(s); verify needs at least {MIN_TOKENS} "
                          "(pass a longer --prompt-file)")
-    candidates = sweep(model, tokens)
+    candidates, norm_sets = sweep(model, tokens)
     contract = model.mtp_head.module.contract
     current = next(c for c in candidates if c.norms == "decided" and c.hidden == contract.hidden
                    and c.concat_order == contract.concat_order)
     best = candidates[0]
     if write:
-        _write_config(Path(model_dir), model.mtp_head, best)
+        _write_config(Path(model_dir), model.mtp_head, best, norm_sets[best.norms])
     report = inspect_dir(Path(model_dir))
     return {"tokens": tokens.size, "best": asdict(best), "current": asdict(current),
             "candidates": [asdict(c) for c in candidates], "written": write,
             "head_trained": report["head_trained"], "head_trained_evidence": report.get("head_trained_evidence")}
 
 
-def _write_config(model_dir: Path, loaded, best: Candidate) -> None:
-    """Record the winning contract and norm conventions of ``loaded`` (the head) in config.json (atomic replace,
-    mode kept)."""
+def _write_config(model_dir: Path, loaded, best: Candidate, conventions: dict[str, str]) -> None:
+    """Record the winning contract and norm ``conventions`` (per norm) of ``loaded`` (the head) in config.json
+    (atomic replace, mode kept)."""
     config = dict(loaded.location.config)
     config[CONTRACT_KEY] = Contract(hidden=best.hidden, concat_order=best.concat_order).to_json()
-    config[NORM_KEY] = json.dumps(_norm_sets(loaded)[best.norms][1])
+    config[NORM_KEY] = json.dumps(conventions)
     atomic_write(model_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2)))

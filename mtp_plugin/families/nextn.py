@@ -13,8 +13,8 @@ This wiring is the built ``MTPHead``'s (canonical names: ``enorm`` → ``pre_fc_
 ``pre_fc_norm_hidden``, ``eh_proj`` → ``fc``, ``shared_head.norm`` → ``norm``, the layer → ``layers.0``), so
 everything past naming and layout is the core's. The trunk is attention-only: its KV caches (MLA's latent
 cache included) are rolled back by trimming, so this family lists no capture points. RMSNorm scales are
-absolute in these checkpoints' modelling code; the loader still reads each file's evidence and settles the
-rest by the head's own predictions.
+absolute in these checkpoints' modelling code; the loader still reads each file's evidence, and the first prompt
+settles the rest by the head's own predictions.
 """
 
 from __future__ import annotations

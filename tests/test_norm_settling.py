@@ -1,0 +1,114 @@
+"""Norm conventions the files leave open are settled per tensor on a prompt's own tokens (issue 25, item 4).
+
+Two heads of the bundled trained checkpoint whose files do not tell their norms' conventions (``norm_cases``): one
+zero-centred pre-fc norm beside absolute ones, and the Hugging Face original's head in an MLX sidecar. Once a prompt
+long enough has been seen, each reads every norm as its twin with declared conventions does, so it drafts exactly as
+well, whichever runtime path fed the head the prompt (single-stream ``generate_step``, the mlx-lm server's batched
+prompt pass); output never changes; ``verify --write`` records the true readings, also where metadata declares a
+wrong one.
+"""
+
+import importlib
+import shutil
+
+import mlx.core as mx
+import pytest
+from builders import to_float32
+from mlx_lm import load
+from mtp_plugin.adapters.mlx_lm_server import MTPRequest
+from norm_cases import code_prompt, hf_sidecar, mixed_sidecar
+from test_batching import drain, insert, mtp_generator, stock_tokens
+
+from mtp_plugin import settle
+from mtp_plugin.verify import verify
+
+BUILDERS = {"mixed": mixed_sidecar, "hf": hf_sidecar}
+PROMPT = code_prompt("textwrap", 3000, 900)  # ~300 tokens: more than settle.MAX_POSITIONS pairs
+SHORT = code_prompt("textwrap", 3000, 60)  # under settle.MIN_POSITIONS pairs
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """Per case: (open model directory, declared twin's directory, true convention per norm)."""
+    root = tmp_path_factory.mktemp("norm-cases")
+    out = {}
+    for name, build in BUILDERS.items():
+        path, truth = build(root / name)
+        out[name] = (path, build(root / f"{name}-declared", declared=True)[0], truth)
+    return out
+
+
+def generate_step(*args, **kwargs):
+    return importlib.import_module("mlx_lm.generate").generate_step(*args, **kwargs)
+
+
+def decode(model, tokenizer, text, **options):
+    """Greedy tokens of ``text`` (depth 2 unless ``options`` say otherwise) and the generation's MTP counters."""
+    options = {"mtp_depth": 2, **options}
+    tokens = [t for t, _ in generate_step(mx.array(tokenizer.encode(text)), model, max_tokens=MAX_TOKENS, **options)]
+    return tokens, model.mtp_head.stats
+
+
+def conventions(model):
+    return {n: d.convention for n, d in model.mtp_head.norms.items()}
+
+
+@pytest.mark.parametrize("case", sorted(BUILDERS))
+def test_open_norms_settle_per_tensor_at_the_first_prompt(cases, case):
+    path, declared_path, truth = cases[case]
+    model, tokenizer = load(str(path))
+    assert model.mtp_head.module.open_norms is not None
+    assert "read as stored until a prompt settles them" in model.mtp_head.summary()
+    tokens, stats = decode(model, tokenizer, PROMPT)
+    assert conventions(model) == truth
+    assert all(d.settled for d in model.mtp_head.norms.values())
+    assert model.mtp_head.module.open_norms is None
+    assert tokens == decode(model, tokenizer, PROMPT, enable_mtp=False)[0]
+    declared, _ = load(str(declared_path))
+    _, reference = decode(declared, tokenizer, PROMPT)
+    assert abs(stats.acceptance - reference.acceptance) < 0.05, (stats.acceptance, reference.acceptance)
+
+
+def test_a_short_prompt_leaves_norms_open_for_a_longer_one(cases):
+    path, _, truth = cases["mixed"]
+    model, tokenizer = load(str(path))
+    assert len(tokenizer.encode(SHORT)) - 2 < settle.MIN_POSITIONS
+    short, _ = decode(model, tokenizer, SHORT)
+    assert not any(d.settled for d in model.mtp_head.norms.values())
+    assert short == decode(model, tokenizer, SHORT, enable_mtp=False)[0]
+    decode(model, tokenizer, PROMPT)
+    assert conventions(model) == truth
+
+
+def test_the_server_batch_settles_at_its_prompt(cases):
+    """mlx-lm's server batch: the first row whose prompt carries enough evidence settles the head; every row decodes
+    what stock mlx-lm decodes."""
+    path, _, truth = cases["hf"]
+    model, tokenizer = load(str(path))
+    to_float32(model)  # exact comparisons with stock batching
+    prompts = [tokenizer.encode(SHORT), tokenizer.encode(PROMPT)]
+    generator = mtp_generator(model)
+    uids = insert(generator, prompts, [MAX_TOKENS] * 2, [MTPRequest(True, 2)] * 2)
+    results = {}
+    drain(generator, results)
+    assert conventions(model) == truth
+    assert [results[uid] for uid in uids] == stock_tokens(model, prompts, [MAX_TOKENS] * 2)
+
+
+@pytest.mark.parametrize("case,declared", [("mixed", False), ("mixed", "absolute"), ("hf", False)],
+                         ids=["mixed", "mixed-declared-absolute", "hf"])
+def test_verify_write_records_each_norms_reading(cases, tmp_path, case, declared):
+    """``verify --write`` records the true reading of every norm: open ones settled on its text, and (per-tensor
+    readings in its sweep) one that metadata declares wrongly."""
+    build = BUILDERS[case]
+    path, truth = build(tmp_path / case, declared=declared)
+    text = code_prompt("textwrap", 3000, 3000)
+    result = verify(path, text, write=True)
+    assert result["best"]["norms"] in ("decided", "per_tensor")
+    model, _ = load(str(path))
+    assert conventions(model) == truth
+    assert all(d.evidence == "declared in metadata" for d in model.mtp_head.norms.values())
+    again = verify(path, text)
+    assert again["current"]["acceptance"] >= again["best"]["acceptance"] - 0.01
+    shutil.rmtree(path)
