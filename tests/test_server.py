@@ -177,6 +177,38 @@ def test_no_mtp_flag_and_python_m_entry(workdir):
     assert text_of(off) == text_of(on)
 
 
+SHORT_REQUESTS = [{"prompt": "x", "max_tokens": 4, "enable_mtp": False}, {"prompt": "x", "max_tokens": 1},
+                  {"prompt": PROMPTS[0], "max_tokens": 8}, {"prompt": "import os", "max_tokens": 4},
+                  {"prompt": "import os", "max_tokens": 3, "mtp_depth": 3}]
+
+
+@pytest.mark.parametrize("flags", [["--plugin", "mtp"], ["--no-mtp"]], ids=["plugin-mtp", "no-mtp"])
+def test_short_prompts_on_a_fresh_server(workdir, flags):
+    """1- and 2-token prompts that finish before the head has a pair (they once killed the generation thread),
+    first on a fresh ``python -m mlx_lm.server`` (the module run as ``__main__``, the plugin active there too),
+    then after ordinary requests, then a prompt that repeats a cached sequence (an earlier prompt and its
+    completion: stock mlx-lm's thread dies there, "empty prompt"): every answer is the same server's with MTP off,
+    and the server lives."""
+    s = Server([sys.executable, "-m", "mlx_lm.server", "--model", str(MLX4), *flags], workdir, environment())
+    try:
+        answers = [s.post("/v1/completions", completion(**body)) for body in SHORT_REQUESTS]
+        plain = [s.post("/v1/completions", completion(**{**body, "enable_mtp": False})) for body in SHORT_REQUESTS]
+        _, first = s.post("/v1/completions", completion(PROMPTS[3], max_tokens=1))
+        repeats = [completion(PROMPTS[3], max_tokens=4), completion(PROMPTS[3] + text_of(first), max_tokens=4)]
+        repeated = [s.post("/v1/completions", {**body, "enable_mtp": enabled}) for body in repeats
+                    for enabled in (True, False)]
+        after = s.post("/v1/completions", completion(PROMPTS[1], enable_mtp=True, mtp_depth=2))
+    finally:
+        s.stop()
+    for (status, answer), (_, stock), body in zip(answers, plain, SHORT_REQUESTS, strict=True):
+        assert status == 200, answer
+        assert text_of(answer) == text_of(stock) and answer["usage"]["completion_tokens"] == body["max_tokens"]
+        assert "timings" in answer  # the plugin answered
+    assert [status for status, _ in repeated] == [200] * 4, repeated
+    assert text_of(repeated[0][1]) == text_of(repeated[1][1]) and text_of(repeated[2][1]) == text_of(repeated[3][1])
+    assert after[0] == 200 and after[1]["timings"]["draft_n"] > 0
+
+
 def test_model_without_head_is_served_as_stock(workdir, headless):
     answers = []
     for env in (environment(), environment(MTP_PLUGIN_DISABLE="1")):
