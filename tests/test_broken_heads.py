@@ -15,6 +15,8 @@ import pytest
 from builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
 from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from mtp_plugin.adapters.patching import release
 
 from mtp_plugin.report import inspect_dir
 from mtp_plugin.verify import verify
@@ -340,6 +342,53 @@ def test_head_accepting_nothing_is_parked(tmp_path, tiny, caplog, monkeypatch, s
     assert len([r for r in caplog.records if "parked" in r.getMessage()]) == 1
     if not sampled:
         assert mtp == [t for t, _ in generate_step(PROMPT, model, max_tokens=80, enable_mtp=False)]
+
+
+def _untrained_head_on_the_trained_trunk(path):
+    """The bundled trained checkpoint (Hugging Face layout) with a head whose every tensor is zero (zero-centred
+    norms: scale 1): its drafts carry no information about the text, on any runtime version."""
+    shutil.copytree(TINY / "hf", path)
+    weights = dict(mx.load(str(TINY / "hf" / "model.safetensors")))
+    for name, value in weights.items():
+        if name.startswith("mtp."):
+            weights[name] = mx.zeros_like(value)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    return path
+
+
+def test_sampled_generation_parks_drafts_that_cannot_pay(tmp_path):
+    """A sampled generation with the automatic depth decides from counts only: an untrained head on the trained
+    trunk decodes plain after the probe cycles, a seed still
+    fixes the tokens (the same twice)."""
+    from mtp_plugin.controller import SampledDepth
+    from mtp_plugin.decoding import DEFAULT_DEPTH
+
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    runs = []
+    for path in (_untrained_head_on_the_trained_trunk(tmp_path / "random-head"), TINY / "hf"):
+        model, tokens = lm_load(path), []
+        prompt = mx.array(load_tokenizer(path).encode("def read_config(path):\n    with open(path) as f:\n"))
+        for _ in range(2):
+            mx.random.seed(11)
+            tokens.append([t for t, _ in generate_step(prompt, model, max_tokens=72, sampler=make_sampler(0.8))])
+        runs.append((tokens, model.mtp_head.stats))
+    (random_tokens, random_stats), (trained_tokens, trained_stats) = runs
+    probe = SampledDepth(DEFAULT_DEPTH, 0.0).probe
+    assert random_stats.cycles in (probe, probe + 1) and random_stats.plain > 0, random_stats  # asked one ahead
+    assert random_tokens[0] == random_tokens[1] and trained_tokens[0] == trained_tokens[1]
+    if trained_stats.plain:  # the trained head may park too where its drafts do not pay: not for lack of counting
+        assert trained_stats.accepted / trained_stats.cycles > random_stats.accepted / random_stats.cycles
+
+
+@pytest.mark.skipif(release("mlx-vlm") < (0, 7), reason="mlx-vlm 0.6 loads no Qwen3.5 checkpoint without vision")
+def test_sampled_generation_parks_drafts_that_cannot_pay_in_mlx_vlm(tmp_path):
+    """The same in mlx-vlm, with a seeded request (mlx-vlm's position-keyed sampler)."""
+    generate_step = importlib.import_module("mlx_vlm.generate").generate_step
+    model = vlm_load(_untrained_head_on_the_trained_trunk(tmp_path / "random-head"))
+    prompt = mx.array([load_tokenizer(TINY / "hf").encode("def read_config(path):\n    with open(path) as f:\n")])
+    runs = [[t for t, _ in generate_step(prompt, model, None, None, max_tokens=72, temperature=0.8, seed=3)]
+            for _ in range(2)]
+    assert runs[0] == runs[1] and model.mtp_head.stats.plain > 0, model.mtp_head.stats
 
 
 # --- norm conventions from the evidence a file carries --------------------------------------------------
