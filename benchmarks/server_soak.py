@@ -17,6 +17,7 @@ changed one under load that the stock server kept under the same load.
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import random
@@ -140,13 +141,16 @@ def main() -> None:
     lines, changed = {}, {}
     for name in answers:
         lines[name], changed[name] = report(name, load, answers[name], alone)
+    versions = tuning.versions()
+    if args.runtime == "mlx_vlm":
+        versions["mlx-vlm"] = importlib.metadata.version("mlx-vlm")
     failures = {name: sum(why is not None for _, why in answers[name]) for name in answers}
     blamed = changed["plugin alone"] | (changed["plugin"] - changed["stock"])
     summary = [f"server soak: {args.runtime}.server, {args.model.name}, {args.requests} requests (seed {args.seed}, "
                f"{len(alone)} greedy), {args.clients} clients",
                f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
                f"machine: {json.dumps(tuning.machine())}, {os.cpu_count()} CPUs",
-               f"versions: {json.dumps(tuning.versions())}",
+               f"versions: {json.dumps(versions)}",
                *(f"{name}: {failures[name]} failed, {len(changed[name])} greedy answers differ from stock alone"
                  for name in answers),
                f"plugin faults: {failures['plugin alone'] + failures['plugin'] + len(blamed)} (failures, and changes "

@@ -122,6 +122,8 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
     candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}, "adaptive": 0}
     rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats,
                                         "bench"))
+    controller = model.mtp_head.controller  # the adaptive row's, kept across its generations
+    adaptive = controller.report() if hasattr(controller, "report") else None
     tuned = model.mtp_head.draft_vocab
     subset = tuned or _cost_subset(model)
     costs = measure.component_costs(model, prompts[0], depths, vocab=subset)
@@ -135,7 +137,7 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
             references.append(decoder if isinstance(decoder, str) else
                               _reference(decoder, prompts, depths, max_tokens, repeats))
     t1 = costs["plain"]
-    return {"candidates": rows, "references": references, "dtype": dtype,
+    return {"candidates": rows, "references": references, "dtype": dtype, "adaptive": adaptive,
             "adaptive_start": tuning.start_depth(Path(model_dir), DEFAULT_DEPTH, MAX_DEPTH),
             "adaptive_tuned": tuning.recorded_depth(Path(model_dir)) is not None,
             "costs": {"plain_seconds": t1, "verify": {k: v / t1 for k, v in costs["verify"].items()},
@@ -166,6 +168,8 @@ def render(report: dict) -> str:
     lines.append(f"adaptive started {'parked (plain)' if start == 0 else f'at depth {start}'} "
                  f"({'recorded by mtp-plugin tune' if tuned else 'default: no tuning record'})")
     c = report["costs"]
+    if report.get("adaptive"):
+        lines += _adaptive_lines(report["adaptive"], c["plain_seconds"])
     lines.append(f"plain step t(1) = {c['plain_seconds'] * 1e3:.2f} ms; "
                  + "t_verify(k)/t(1): " + " ".join(f"k={k}:{v:.2f}" for k, v in c["verify"].items())
                  + "; t_draft(d)/t(1): " + " ".join(f"d={d}:{v:.2f}" for d, v in c["draft"].items()))
@@ -187,6 +191,24 @@ def render(report: dict) -> str:
                      f"x{ratio:.3f}, measured at another time):")
         lines += ["  " + _row(r) for r in ref["candidates"]]
     return "\n".join(lines)
+
+
+def _adaptive_lines(adaptive: dict, t1: float) -> list[str]:
+    """Where the adaptive row spent its cycles (warm-up included) and the estimates it decided on, costs in t(1)."""
+    depths = adaptive["depths"]
+
+    def name(d):
+        return "plain" if d == 0 else f"d{d}"
+
+    spent = " ".join(f"{name(d)}:{v['cycles']}/{v['tokens']}" for d, v in depths.items())
+    explored = " ".join(f"{name(d)}:{v['explored']}" for d, v in depths.items() if v["explored"]) or "none"
+    estimates = " ".join(f"{name(d)}:{v['tokens_per_cycle']:.2f}/{v['cost'] / t1:.2f}={v['rate'] * t1:.2f}"
+                         for d, v in depths.items())
+    return [f"adaptive spent (cycles/tokens per depth, warm-up included): {spent}; of which exploration cycles: "
+            f"{explored}; {adaptive['rounds']} exploration rounds, {adaptive['switches']} switches, final choice "
+            f"{name(adaptive['choice'])}",
+            f"adaptive's estimates at the end (tokens per cycle / cycle cost in t(1) = rate in tokens per t(1)): "
+            f"{estimates}"]
 
 
 def _row(r: dict) -> str:
