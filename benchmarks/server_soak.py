@@ -113,6 +113,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runtime", choices=["mlx_lm", "mlx_vlm"], default="mlx_lm", help="whose server")
     parser.add_argument("--model", type=Path, default=REPO / "examples" / "tiny-qwen3_5" / "hf")
+    parser.add_argument("--stock-model", type=Path, help="the stock server's model (default: --model); a copy without "
+                        "the head's files where stock cannot load the head (mlx-vlm 0.6.5-0.6.8 shifts its norms twice)")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
@@ -122,7 +124,7 @@ def main() -> None:
         parser.error("--requests and --clients must be at least 1")
     load = workload(args.requests, args.seed)
     logs = Path(tempfile.mkdtemp(prefix="mtp-server-soak-"))
-    stock = Server(args.runtime, args.model, True, logs / "stock.log")
+    stock = Server(args.runtime, args.stock_model or args.model, True, logs / "stock.log")
     plugin = Server(args.runtime, args.model, False, logs / "plugin.log")
     try:
         greedy = [i for i, r in enumerate(load) if r["body"]["temperature"] == 0.0]
@@ -146,8 +148,9 @@ def main() -> None:
         versions["mlx-vlm"] = importlib.metadata.version("mlx-vlm")
     failures = {name: sum(why is not None for _, why in answers[name]) for name in answers}
     blamed = changed["plugin alone"] | (changed["plugin"] - changed["stock"])
-    summary = [f"server soak: {args.runtime}.server, {args.model.name}, {args.requests} requests (seed {args.seed}, "
-               f"{len(alone)} greedy), {args.clients} clients",
+    summary = [f"server soak: {args.runtime}.server, {args.model.name}"
+               + (f" (stock: {args.stock_model.name})" if args.stock_model else "")
+               + f", {args.requests} requests (seed {args.seed}, {len(alone)} greedy), {args.clients} clients",
                f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
                f"machine: {json.dumps(tuning.machine())}, {os.cpu_count()} CPUs",
                f"versions: {json.dumps(versions)}",
