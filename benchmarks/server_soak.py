@@ -113,8 +113,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runtime", choices=["mlx_lm", "mlx_vlm"], default="mlx_lm", help="whose server")
     parser.add_argument("--model", type=Path, default=REPO / "examples" / "tiny-qwen3_5" / "hf")
-    parser.add_argument("--stock-model", type=Path, help="the stock server's model (default: --model); a copy without "
-                        "the head's files where stock cannot load the head (mlx-vlm 0.6.5-0.6.8 shifts its norms twice)")
+    parser.add_argument("--stock-model", type=Path,
+                        help="the stock server's model (default: --model); a copy without the head's files where stock "
+                             "cannot load the head (mlx-vlm 0.6.5-0.6.8 shifts its norms twice)")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)

@@ -13,14 +13,16 @@ and efficiency = achieved speedup ÷ ideal(d): 1.0 means the loop adds nothing t
 run (host bookkeeping, syncs, wasted trunk work all lower it). The host's milliseconds per cycle at each depth:
 building the cycle's graph (drafts, verify pass, acceptance) without evaluating it. The draft
 steps are timed over the full vocabulary and over a draft vocabulary (``draft_vocab.py``): the tuned one, which
-the rows then draft from and whose costs ``ideal`` uses, else one of V/8 tokens for its cost alone. Then, where
-installed, other runtimes' own MTP decoders on the same checkpoint (``mtp_reference_decoders`` hook), or one line
-saying why not.
+the rows then draft from and whose costs ``ideal`` uses, else one of V/8 tokens for its cost alone. The
+GatedDeltaNet rollback (``rollback.py``) at the best fixed depth, by capture and by replay: tokens/s and host ms per
+cycle. Then, where installed, other runtimes' own MTP decoders on the same checkpoint (``mtp_reference_decoders``
+hook), or one line saying why not.
 """
 
 from __future__ import annotations
 
 import gc
+import statistics
 from pathlib import Path
 from typing import Protocol
 
@@ -106,6 +108,8 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
         "host": {d: seconds building a cycle's graph at depth d},
         "draft_subset": {d: t_draft(d)/t(1) over the draft vocabulary}, "subset_size": k, "subset_tuned": bool}``
         (``draft_subset`` and ``subset_size`` only for a trunk that can project onto a subset),
+        "rollback": the best fixed depth's ``depth`` decoded with each GatedDeltaNet rollback way
+        (``measure.rollback_ways``),
         "references": [{"name", "candidates"} or a string saying why not]}``.
 
     Raises:
@@ -127,6 +131,9 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
     tuned = model.mtp_head.draft_vocab
     subset = tuned or _cost_subset(model)
     costs = measure.component_costs(model, prompts[0], depths, vocab=subset)
+    best = int(max((r for r in rows if r["name"].startswith("depth ")), key=lambda r: r["tokens_per_second"])
+               ["name"].split()[1])
+    ways = {"depth": best, **measure.rollback_ways(model, prompts, best, max_tokens, repeats)}
     efficiency(rows, costs, "draft" if tuned is None else "draft_subset")
     del model  # free it before another runtime loads the checkpoint
     gc.collect()
@@ -137,7 +144,7 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
             references.append(decoder if isinstance(decoder, str) else
                               _reference(decoder, prompts, depths, max_tokens, repeats))
     t1 = costs["plain"]
-    return {"candidates": rows, "references": references, "dtype": dtype, "adaptive": adaptive,
+    return {"candidates": rows, "references": references, "dtype": dtype, "adaptive": adaptive, "rollback": ways,
             "adaptive_start": tuning.start_depth(Path(model_dir), DEFAULT_DEPTH, MAX_DEPTH),
             "adaptive_tuned": tuning.recorded_depth(Path(model_dir)) is not None,
             "costs": {"plain_seconds": t1, "verify": {k: v / t1 for k, v in costs["verify"].items()},
@@ -178,6 +185,7 @@ def render(report: dict) -> str:
                  "computes; a cycle's successor waits for its accepted count)")
     lines.append("host ms per cycle (building its graph, not evaluating it): "
                  + " ".join(f"d={d}:{v * 1e3:.2f}" for d, v in c["host"].items()))
+    lines.append(_ways(report["rollback"]))
     if "draft_subset" in c:
         lines.append(f"t_draft(d)/t(1) over a draft vocabulary of {c['subset_size']} tokens "
                      f"({'tuned: the rows above drafted over it' if c['subset_tuned'] else 'none tuned: cost only'}): "
@@ -209,6 +217,18 @@ def _adaptive_lines(adaptive: dict, t1: float) -> list[str]:
             f"{name(adaptive['choice'])}",
             f"adaptive's estimates at the end (tokens per cycle / cycle cost in t(1) = rate in tokens per t(1)): "
             f"{estimates}"]
+
+
+def _ways(ways: dict) -> str:
+    """One line: replay against capture (``rollback.py``) at the best fixed depth, tokens/s and host ms per cycle."""
+    if ways["auto"] is None:
+        return "rollback: every trunk cache is trimmed (no recurrent layer: no way to choose)"
+    capture, replay = ways["capture"], ways["replay"]
+    ratio = statistics.median(r / c for r, c in zip(replay["runs"], capture["runs"], strict=True))
+    return (f"rollback at depth {ways['depth']} (auto takes {ways['auto']} here): "
+            f"capture {capture['tokens_per_second']:.1f} tok/s, host {capture['host'] * 1e3:.2f} ms/cycle; "
+            f"replay {replay['tokens_per_second']:.1f} tok/s (x{ratio:.3f} of capture), "
+            f"host {replay['host'] * 1e3:.2f} ms/cycle (a cycle with a rejection: its graph and its commit)")
 
 
 def _row(r: dict) -> str:

@@ -18,11 +18,12 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import load_model
-from mtp_plugin.adapters import mlx_lm_server
+from mtp_plugin.adapters import capture, mlx_lm_server
 from mtp_plugin.adapters.mlx_lm_server import MTPRequest
 from mtp_plugin.adapters.patching import release
 from test_sampling import PROMPT, VOCAB, chi_square_p, exact_marginals
 
+from mtp_plugin import rollback
 from mtp_plugin.drafter import HISTORY_WINDOW
 
 # mlx-lm < 0.32 pollutes the GatedDeltaNet state of right-padded prompt rows (its ArraysCache mask ignores the
@@ -109,6 +110,27 @@ def test_rows_decode_as_stock_alone(trained, depth):
     assert options[2].stats is None  # MTP off: plain tokens in the same verify passes
     if depth:
         assert set(options[0].stats.depths) == {depth}
+
+
+def test_rows_decode_as_stock_alone_with_replayed_rollback(trained, monkeypatch):
+    """Every cycle's GatedDeltaNet rollback replayed (``rollback.force("replay")``): rows that keep prefixes of
+    different lengths are restored by one masked update per layer, and every row still decodes stock's tokens."""
+    model, tokenizer = trained
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:4]]
+    options = [MTPRequest(True, 3), MTPRequest(True, 1), MTPRequest(True, 2), MTPRequest(True, 3)]
+    masked = []
+    original = capture._replay
+    monkeypatch.setattr(capture, "_replay", lambda *a: masked.append(a[3] is not None) or original(*a))
+    generator = mtp_generator(model)
+    rollback.force("replay")
+    try:
+        uids = insert(generator, prompts, MAX_TOKENS[:4], options)
+        results = {}
+        drain(generator, results)
+    finally:
+        rollback.force(None)
+    assert [results[uid] for uid in uids] == stock_tokens(model, prompts, MAX_TOKENS[:4])
+    assert any(masked) and all(o.stats.accepted > 0 for o in options)
 
 
 class Schedule:

@@ -105,8 +105,8 @@ def test_efficiency_from_measured_parts():
 def test_bench_report(model_dir, capsys):
     report = bench(model_dir, depths=1, max_tokens=6, repeats=1, dtype="float32")
     progress = capsys.readouterr().err  # the phases, on stderr
-    phases = ["warm-up", "decode", "component costs"] + [f"{r['name']}: decode" for r in report["references"]
-                                                         if not isinstance(r, str)]
+    phases = ["warm-up", "decode", "component costs", "rollback ways"]
+    phases += [f"{r['name']}: decode" for r in report["references"] if not isinstance(r, str)]
     assert all(f"bench: {phase}" in progress for phase in phases), progress
     names = [r["name"] for r in report["candidates"]]
     assert names == ["plain", "depth 1", "adaptive"]
@@ -117,8 +117,12 @@ def test_bench_report(model_dir, capsys):
     assert set(report["costs"]["draft_subset"]) == {1} and report["costs"]["subset_size"] == 256  # cost only: V/8
     assert not report["costs"]["subset_tuned"] and report["costs"]["host"][1] > 0
     assert len(report["references"]) == 1  # mlx-vlm is installed: its native MTP, or why not
+    ways = report["rollback"]
+    assert ways["depth"] == 1 and ways["auto"] == "capture"  # the CPU: one-call capture
+    assert all(ways[way]["tokens_per_second"] > 0 and ways[way]["host"] > 0 for way in ("capture", "replay"))
     text = render(report)
     assert "t_verify(k)/t(1)" in text and "mlx-vlm" in text and "host ms per cycle" in text
+    assert "rollback at depth 1 (auto takes capture here): capture" in text and "of capture)" in text
     assert "draft vocabulary of 256 tokens (none tuned: cost only)" in text and "plain decoding's own loop" in text
 
 
