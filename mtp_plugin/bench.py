@@ -105,7 +105,7 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
     Returns:
         ``{"candidates": rows (see ``tune.summarise``, plus ``ideal``/``efficiency`` per depth),
         "costs": {"verify": {k: t_verify(k)/t(1)}, "draft": {d: t_draft(d)/t(1)}, "plain_seconds": t(1),
-        "host": {d: seconds building a cycle's graph at depth d},
+        "host": {d: seconds building a cycle's graph and its commit at depth d; 0: a plain step's graph}, "layers": N,
         "draft_subset": {d: t_draft(d)/t(1) over the draft vocabulary}, "subset_size": k, "subset_tuned": bool}``
         (``draft_subset`` and ``subset_size`` only for a trunk that can project onto a subset),
         "rollback": the best fixed depth's ``depth`` decoded with each GatedDeltaNet rollback way
@@ -149,6 +149,7 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
             "adaptive_tuned": tuning.recorded_depth(Path(model_dir)) is not None,
             "costs": {"plain_seconds": t1, "verify": {k: v / t1 for k, v in costs["verify"].items()},
                       "draft": {d: v / t1 for d, v in costs["draft"].items()}, "host": costs["host"],
+                      "layers": costs["layers"],
                       **({"draft_subset": {d: v / t1 for d, v in costs["draft_subset"].items()},
                           "subset_size": subset.size} if subset is not None else {}),
                       "subset_tuned": tuned is not None}}
@@ -183,8 +184,11 @@ def render(report: dict) -> str:
     pipelined = 1 / report["candidates"][0]["tokens_per_second"] / c["plain_seconds"]
     lines.append(f"plain decoding's own loop spends {pipelined:.2f} t(1) per token (it builds step t+1 while step t "
                  "computes; a cycle's successor waits for its accepted count)")
-    lines.append("host ms per cycle (building its graph, not evaluating it): "
-                 + " ".join(f"d={d}:{v * 1e3:.2f}" for d, v in c["host"].items()))
+    layers = c["layers"]
+    lines.append(f"host ms per cycle (building its graph and its commit, not evaluating them; per trunk layer of "
+                 f"{layers}): " + " ".join(f"d={d}:{v * 1e3:.2f} ({v * 1e3 / layers:.3f})"
+                                            for d, v in c["host"].items() if d)
+                 + f"; a plain step's graph: {c['host'][0] * 1e3:.2f} ({c['host'][0] * 1e3 / layers:.3f})")
     lines.append(_ways(report["rollback"]))
     if "draft_subset" in c:
         lines.append(f"t_draft(d)/t(1) over a draft vocabulary of {c['subset_size']} tokens "

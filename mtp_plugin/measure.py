@@ -26,6 +26,7 @@ from .decoding import accept_greedy
 from .drafter import draft_logits, log_softmax, propose
 from .plugins import hook
 from .stats import MTPStats
+from .trunk import trunk_parts
 
 PROMPT_SOURCES = ("textwrap.py", "shlex.py", "string.py", "fractions.py")  # standard library, on every machine
 PROMPT_CHARS = 1000
@@ -178,11 +179,12 @@ def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30,
 
     Returns:
         ``{"plain": t(1), "verify": {k: t_verify(k)}, "draft": {d: t_draft(d)}, "draft_subset": {d: …},
-        "host": {d: …}}``: a plain step (1-token trunk pass, logits, log-softmax, argmax); a verify pass of
-        k = 2..max_depth+1 tokens with rollback capture, its logits and log-softmax; d = 1..max_depth draft steps of
-        the head with its output projection and argmax (``draft_subset`` only with ``vocab``); the host's share of
-        a cycle at depth d: building its graph (drafts over ``vocab`` when given, verify pass, acceptance) without
-        evaluating it. Seconds.
+        "host": {d: …}, "layers": trunk layers}``: a plain step (1-token trunk pass, logits, log-softmax, argmax); a
+        verify pass of k = 2..max_depth+1 tokens with rollback capture, its logits and log-softmax; d = 1..max_depth
+        draft steps of the head with its output projection and argmax (``draft_subset`` only with ``vocab``); the
+        host's share of a cycle at depth d: building its graph (drafts over ``vocab`` when given, verify pass,
+        acceptance) and its commit at a rejection, without evaluating them (``host[0]``: building a plain step's
+        graph). Seconds.
     """
     warm = _Warm(model, prompt)
     head, trunk, cache, head_cache, last_hidden, token = (warm.head, warm.trunk, warm.cache, warm.head_cache,
@@ -208,7 +210,15 @@ def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30,
         head_cache.trim(d)
 
     def host(d):
-        return warm.cycle(d, vocab)[0]
+        built, committed, _ = warm.cycle(d, vocab)
+        return built + committed
+
+    def host_plain():
+        start = time.perf_counter()
+        token = mx.argmax(log_softmax(trunk.trunk_logits(trunk.hidden(warm.token[None], cache)[0])), axis=-1)
+        built = time.perf_counter() - start
+        mx.eval(token, [c.state for c in cache])
+        return built
 
     parts = {("plain", 1): plain}
     parts.update({("verify", k): (lambda k=k: verify(k)) for k in range(2, max_depth + 2)})
@@ -216,6 +226,7 @@ def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30,
     if vocab is not None:
         parts.update({("draft_subset", d): (lambda d=d: draft(d, vocab)) for d in range(1, max_depth + 1)})
     parts.update({("host", d): (lambda d=d: host(d)) for d in range(1, max_depth + 1)})
+    parts[("host", 0)] = host_plain
     seconds: dict = {part: [] for part in parts}
     for _ in tqdm(range(repeats), desc="bench: component costs", unit="round"):
         for part, run in parts.items():
@@ -226,7 +237,8 @@ def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30,
     costs = {"plain": median[("plain", 1)],
              "verify": {k: median[("verify", k)] for k in range(2, max_depth + 2)},
              "draft": {d: median[("draft", d)] for d in range(1, max_depth + 1)},
-             "host": {d: median[("host", d)] for d in range(1, max_depth + 1)}}
+             "host": {d: median[("host", d)] for d in range(max_depth + 1)},
+             "layers": len(trunk_parts(model)[0].layers)}
     if vocab is not None:
         costs["draft_subset"] = {d: median[("draft_subset", d)] for d in range(1, max_depth + 1)}
     return costs
