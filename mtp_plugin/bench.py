@@ -92,7 +92,8 @@ def _reference(decoder: ReferenceDecoder, prompts, depths: int, max_tokens: int,
     return {"name": decoder.name, "candidates": summarise(results)}
 
 
-def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int = 3, dtype: str | None = None) -> dict:
+def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int = 3, dtype: str | None = None,
+          prompt_tokens: int = 0) -> dict:
     """Run the benchmark on ``model_dir``.
 
     Args:
@@ -101,6 +102,8 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
         max_tokens: tokens per prompt.
         repeats: repeats of the suite (medians).
         dtype: cast floating weights to ``float32`` / ``float16`` / ``bfloat16`` after loading, or None.
+        prompt_tokens: 0 for the suite's prompts (about 300 tokens each); else each prompt preceded by earlier source
+            up to this many tokens (``measure.with_context``: the same functions to continue at a long context).
 
     Returns:
         ``{"candidates": rows (see ``tune.summarise``, plus ``ideal``/``efficiency`` per depth),
@@ -113,16 +116,21 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
         "references": [{"name", "candidates"} or a string saying why not]}``.
 
     Raises:
-        UsageError: ``depths``, ``max_tokens`` or ``repeats`` out of range (``usage.RANGES``), or an unknown dtype.
+        UsageError: ``depths``, ``max_tokens`` or ``repeats`` out of range (``usage.RANGES``), an unknown dtype, or a
+            negative ``prompt_tokens``.
         CheckpointError: no usable head.
     """
     check_measure_options(depths, max_tokens, repeats)
     if dtype is not None and dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    if prompt_tokens < 0:
+        raise UsageError(f"--prompt-tokens must be >= 0, got {prompt_tokens}")
     model, tokenizer = load(model_dir)
     if dtype is not None:
         cast(model, DTYPES[dtype])
     prompts = [tokenizer.encode(p) for p in measure.code_prompts()]
+    if prompt_tokens:
+        prompts = measure.with_context(prompts, prompt_tokens, tokenizer.encode)
     candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}, "adaptive": 0}
     rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats,
                                         "bench"))
@@ -145,6 +153,7 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
                               _reference(decoder, prompts, depths, max_tokens, repeats))
     t1 = costs["plain"]
     return {"candidates": rows, "references": references, "dtype": dtype, "adaptive": adaptive, "rollback": ways,
+            "prompt_tokens": [len(p) for p in prompts],
             "adaptive_start": tuning.start_depth(Path(model_dir), DEFAULT_DEPTH, MAX_DEPTH),
             "adaptive_tuned": tuning.recorded_depth(Path(model_dir)) is not None,
             "costs": {"plain_seconds": t1, "verify": {k: v / t1 for k, v in costs["verify"].items()},
@@ -168,7 +177,8 @@ def _cost_subset(model):
 
 def render(report: dict) -> str:
     """The bench report as text: one table of candidates, the cost ratios, the references."""
-    lines = [f"{'candidate':<10} {'tok/s':>8} {'speedup':>8} {'tok/cycle':>9} {'passes/tok':>10} "
+    lines = [f"prompts of {', '.join(map(str, report['prompt_tokens']))} tokens",
+             f"{'candidate':<10} {'tok/s':>8} {'speedup':>8} {'tok/cycle':>9} {'passes/tok':>10} "
              f"{'ideal':>6} {'effic.':>6}  acceptance by depth"]
     for r in report["candidates"]:
         lines.append(_row(r))

@@ -123,7 +123,7 @@ def _tune_row(r: dict) -> None:
 def _bench(args) -> int:
     from .bench import bench, render
 
-    report = bench(args.model_dir, args.depths, args.max_tokens, args.repeats, args.dtype)
+    report = bench(args.model_dir, args.depths, args.max_tokens, args.repeats, args.dtype, args.prompt_tokens)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
 
@@ -227,6 +227,9 @@ def parser() -> argparse.ArgumentParser:
                                      "(beside the model's own output on the prompt suite)")
     sub.choices["bench"].add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                                       help="cast the floating weights after loading (e.g. an fp32/hf checkpoint)")
+    sub.choices["bench"].add_argument("--prompt-tokens", type=int, default=0, metavar="N",
+                                      help="precede each prompt with earlier source up to N tokens (a long context; "
+                                      "default 0: the suite's prompts of about 300 tokens)")
     return p
 
 

@@ -46,6 +46,21 @@ def code_prompts(sources: tuple[str, ...] = PROMPT_SOURCES) -> list[str]:
     return prompts
 
 
+def with_context(prompts: list[list[int]], tokens: int, encode) -> list[list[int]]:
+    """Each prompt (token ids) preceded by earlier standard-library source, up to ``tokens`` tokens in all: the same
+    function to continue, at a long context (the prompt's own beginning is kept; the filler is the suite's modules
+    in full, in order, the prompt's last tokens kept).
+
+    Args:
+        prompts: token ids of the suite's prompts.
+        tokens: total prompt length wanted; a prompt already that long is kept as it is.
+        encode: the tokenizer's ``encode`` (text → token ids).
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    filler = encode("\n".join((stdlib / name).read_text() for name in PROMPT_SOURCES))
+    return [filler[max(0, len(filler) - (tokens - len(p))):] + p if len(p) < tokens else p for p in prompts]
+
+
 @dataclass
 class Result:
     """One candidate's measurements.
