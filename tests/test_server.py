@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from console_runs import MLX4, environment
+from console_runs import MLX4, REPO, environment
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mtp_plugin.adapters.patching import release
 
@@ -207,6 +207,16 @@ def test_short_prompts_on_a_fresh_server(workdir, flags):
     assert [status for status, _ in repeated] == [200] * 4, repeated
     assert text_of(repeated[0][1]) == text_of(repeated[1][1]) and text_of(repeated[2][1]) == text_of(repeated[3][1])
     assert after[0] == 200 and after[1]["timings"]["draft_n"] > 0
+
+
+def test_soak_of_every_request_shape():
+    """``benchmarks/server_soak.py`` (as in the README; 40 requests here, 200 in the dated results): 1- and
+    2-token prompts, max_tokens 1-64, MTP on, off and per request, streamed, sampled with a seed, alone and from 8
+    clients: no request fails and every greedy answer is stock's."""
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "server_soak.py"), "--requests", "40"],
+                         capture_output=True, text=True, env=environment(), timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "plugin faults: 0" in out.stdout and "plugin: 0 failed, 0 greedy answers differ" in out.stdout
 
 
 def test_model_without_head_is_served_as_stock(workdir, headless):
