@@ -93,7 +93,7 @@ def _reference(decoder: ReferenceDecoder, prompts, depths: int, max_tokens: int,
 
 
 def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int = 3, dtype: str | None = None,
-          prompt_tokens: int = 0) -> dict:
+          prompt_tokens: int = 0, references: bool = True) -> dict:
     """Run the benchmark on ``model_dir``.
 
     Args:
@@ -104,6 +104,7 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
         dtype: cast floating weights to ``float32`` / ``float16`` / ``bfloat16`` after loading, or None.
         prompt_tokens: 0 for the suite's prompts (about 300 tokens each); else each prompt preceded by earlier source
             up to this many tokens (``measure.with_context``: the same functions to continue at a long context).
+        references: also measure other runtimes' own MTP decoders (``mtp_reference_decoders``).
 
     Returns:
         ``{"candidates": rows (see ``tune.summarise``, plus ``ideal``/``efficiency`` per depth),
@@ -146,11 +147,9 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
     del model  # free it before another runtime loads the checkpoint
     gc.collect()
     mx.clear_cache()
-    references = []
-    for item in hook().mtp_reference_decoders(model_dir=Path(model_dir), dtype=DTYPES.get(dtype)):
-        for decoder in item:
-            references.append(decoder if isinstance(decoder, str) else
-                              _reference(decoder, prompts, depths, max_tokens, repeats))
+    others = hook().mtp_reference_decoders(model_dir=Path(model_dir), dtype=DTYPES.get(dtype)) if references else []
+    references = [decoder if isinstance(decoder, str) else _reference(decoder, prompts, depths, max_tokens, repeats)
+                  for item in others for decoder in item]
     t1 = costs["plain"]
     return {"candidates": rows, "references": references, "dtype": dtype, "adaptive": adaptive, "rollback": ways,
             "prompt_tokens": [len(p) for p in prompts],

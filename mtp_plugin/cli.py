@@ -123,7 +123,8 @@ def _tune_row(r: dict) -> None:
 def _bench(args) -> int:
     from .bench import bench, render
 
-    report = bench(args.model_dir, args.depths, args.max_tokens, args.repeats, args.dtype, args.prompt_tokens)
+    report = bench(args.model_dir, args.depths, args.max_tokens, args.repeats, args.dtype, args.prompt_tokens,
+                   not args.no_references)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
 
@@ -230,6 +231,8 @@ def parser() -> argparse.ArgumentParser:
     sub.choices["bench"].add_argument("--prompt-tokens", type=int, default=0, metavar="N",
                                       help="precede each prompt with earlier source up to N tokens (a long context; "
                                       "default 0: the suite's prompts of about 300 tokens)")
+    sub.choices["bench"].add_argument("--no-references", action="store_true",
+                                      help="skip other runtimes' own MTP decoders (e.g. mlx-vlm's native drafter)")
     return p
 
 
