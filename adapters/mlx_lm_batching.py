@@ -16,6 +16,11 @@ The cache behind each finished row holds exactly the tokens its response reports
 that stops inside its block keeps only the verified inputs before its final token. A finished row's head
 is remembered (``BatchContext.remember``) so that a request reusing its prompt cache starts with the head's
 history of that context too.
+
+Logits processors see what mlx-lm's ``GenerationBatch`` shows them: the stop and length rules are applied as each
+token of a block is read (``BatchDrafter.cycle``'s ``ends``), so a row's processors never see a position after the
+token it finishes on, and a row with processors that finishes on a token no pass fed gets their call on it from one
+trunk step on a copy of its cache (``_final_calls``), as stock's last step feeds that token.
 """
 
 from __future__ import annotations
@@ -376,17 +381,14 @@ class MTPGenerationBatch:
         auto = policy.next_depth() if any(r.depth is None for r in self.rows) else None
         return [auto if r.depth is None else r.depth for r in self.rows]
 
-    def _finish(self, i: int, block: list[int]) -> tuple[int, str | None]:
-        """How many of row i's block tokens it emits, and why it finishes (None: it goes on), by mlx-lm's
-        rules applied token by token: ``max_tokens`` ("length"), then the stop sequences ("stop")."""
-        for j, token in enumerate(block):
-            self.num_tokens[i] += 1
-            reason = "length" if self.num_tokens[i] >= self.max_tokens[i] else None
-            if self.matchers[i].advance(token):
-                reason = "stop"
-            if reason is not None:
-                return j + 1, reason
-        return len(block), None
+    def _end(self, i: int, token: int) -> str | None:
+        """Why row i finishes on ``token``, its next emitted token (None: it goes on), by mlx-lm's rules:
+        ``max_tokens`` ("length"), then the stop sequences ("stop")."""
+        self.num_tokens[i] += 1
+        reason = "length" if self.num_tokens[i] >= self.max_tokens[i] else None
+        if self.matchers[i].advance(token):
+            reason = "stop"
+        return reason
 
     def next(self) -> list:
         """One cycle (or, when no row drafts, one plain step pipelined as mlx-lm's): mlx-lm ``Response``s, one per
@@ -427,13 +429,20 @@ class MTPGenerationBatch:
         self.__class__, self.__dict__ = type(stock), stock.__dict__  # the generator holds this object
 
     def _cycle(self, ctx: BatchContext, policy, depths: list[int], start: float) -> list:
-        verified = ctx.drafter.cycle(self.rows, self.prompt_cache, self.head_cache, depths)
+        finished = [None] * len(self.rows)
+
+        def ends(i: int, token: int) -> bool:
+            finished[i] = self._end(i, token)
+            return finished[i] is not None
+
+        verified = ctx.drafter.cycle(self.rows, self.prompt_cache, self.head_cache, depths, ends)
         if verified.nonfinite:
             ctx.health.nonfinite()
-        emitted, finished = zip(*(self._finish(i, block) for i, block in enumerate(verified.blocks)), strict=True)
+        emitted = [len(block) for block in verified.blocks]
         for i, row in enumerate(self.rows):
             self.tokens[i] += [row.last, *verified.blocks[i][: emitted[i] - 1]]
         ctx.drafter.commit(self.rows, self.prompt_cache, self.head_cache, verified, emitted)
+        self._final_calls(ctx, finished, [n > a for n, a in zip(emitted, verified.accepted, strict=True)])
         seconds = (time.perf_counter() - start) / len(self.rows)
         for i, row in enumerate(self.rows):
             d, a = verified.depths[i], verified.accepted[i]
@@ -445,8 +454,7 @@ class MTPGenerationBatch:
                 row.stats.plain += 1
             if row.depth is None:
                 policy.observe(d, a, seconds)
-        blocks = [block[:n] for block, n in zip(verified.blocks, emitted, strict=True)]
-        return self._respond(ctx, blocks, verified.logprobs, finished)
+        return self._respond(ctx, verified.blocks, verified.logprobs, finished)
 
     def _plain(self, ctx: BatchContext, policy, start: float) -> list:
         """Emit the queued plain step's tokens after queueing the next step on them (mlx-lm's pipelining)."""
@@ -461,12 +469,24 @@ class MTPGenerationBatch:
         for row in self.rows:
             if row.depth is None:
                 policy.observe(0, 0, seconds)
-        return self._emit_step(ctx, step, tokens)
+        finished = [self._end(i, t) for i, t in enumerate(tokens)]
+        return self._respond(ctx, [[t] for t in tokens], step.logprobs[:, None], finished)
 
     def _settle(self, ctx: BatchContext) -> list:
         """Emit the queued plain step's tokens without queueing another: every row's ``last`` is unfed again."""
         step, self.ahead = self.ahead, None
-        return self._emit_step(ctx, step, self._take(step))
+        tokens = self._take(step)
+        finished = [self._end(i, t) for i, t in enumerate(tokens)]
+        self._final_calls(ctx, finished, [True] * len(tokens))
+        return self._respond(ctx, [[t] for t in tokens], step.logprobs[:, None], finished)
+
+    def _final_calls(self, ctx: BatchContext, finished: list, unfed: list[bool]) -> None:
+        """The processors' call for the last token of each row with processors that finishes on a token no pass fed
+        (``unfed``): mlx-lm's ``GenerationBatch`` feeds a row's last token, and calls its processors on it, in the
+        step that emits it (``BatchDrafter.final_call``: one trunk step on a copy of the row's cache)."""
+        for i, row in enumerate(self.rows):
+            if finished[i] is not None and unfed[i] and row.processors:
+                ctx.drafter.final_call(row, self.extract_cache(i))
 
     @staticmethod
     def _feed_last(ctx: BatchContext, batch) -> Step:
@@ -485,10 +505,6 @@ class MTPGenerationBatch:
             row.last = tokens[i]
             row.stats.plain += 1
         return tokens
-
-    def _emit_step(self, ctx: BatchContext, step: Step, tokens: list[int]) -> list:
-        finished = [self._finish(i, [t])[1] for i, t in enumerate(tokens)]
-        return self._respond(ctx, [[t] for t in tokens], step.logprobs[:, None], finished)
 
     def _respond(self, ctx: BatchContext, blocks: list[list[int]], logprobs: mx.array, finished) -> list:
         """mlx-lm ``Response``s for every row's emitted ``blocks`` (log-probs (B, L, V)); finished rows leave."""

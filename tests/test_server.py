@@ -279,6 +279,25 @@ def test_dead_generation_thread_raises_mlx_lms_own_error(call):
         call(rg)
 
 
+def test_only_the_servers_prompt_cache_keeps_a_token_to_run():
+    """A prompt equal to a cached sequence: the server's own prompt cache (the one its ``ResponseGenerator`` holds)
+    answers with the cache of all but its last token and that token to run (stock's generation thread dies on an
+    empty remainder); any other ``LRUPromptCache`` answers as stock (mlx-lm's own suite tests the class so)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    server = importlib.import_module("mlx_lm.server")
+    own, serving = server.LRUPromptCache(), server.LRUPromptCache()
+    rg = server.ResponseGenerator(FailingModelProvider(), serving)
+    rg.join()
+    for cache in (own, serving):
+        kv = KVCache()
+        kv.update_and_fetch(mx.zeros((1, 1, 2, 4)), mx.zeros((1, 1, 2, 4)))  # the cache of tokens 1, 2
+        cache.insert_cache("model", [1, 2], [kv])
+    assert own.fetch_nearest_cache("model", [1, 2])[1] == []
+    assert serving.fetch_nearest_cache("model", [1, 2])[1][-1:] == [2]  # at least the last token is run
+
+
 def outcome(server: Server, path: str, body: dict) -> tuple:
     """``(status, text)`` of a request, or ``("disconnected",)`` when the server dropped the connection."""
     try:
