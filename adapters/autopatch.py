@@ -4,12 +4,18 @@ Start-up cost is one tiny module and one ``sys.meta_path`` entry: no mlx, mlx-lm
 When ``mlx_lm``, ``mlx_lm.server``, ``mlx_vlm`` or ``mlx_vlm.server`` is imported later, the hook runs
 ``mtp_plugin.patch()`` right after the package has executed. ``MTP_PLUGIN_DISABLE=1`` turns it off. A patch error
 never breaks the host program: it is logged once and every runtime is left stock.
+
+``python -m mlx_lm.server`` (and the other runtime commands in ``COMMANDS``) runs the module's code as
+``__main__``, a second copy the patches never reach: runpy asks the module's loader for that code
+(``get_code``), and the hook answers with code that imports the module as itself (patched) and runs its
+``if __name__ == "__main__":`` block there, so the plugin is active as in the console script.
 """
 
 import os
 import sys
 
 WATCHED = ("mlx_lm", "mlx_lm.server", "mlx_vlm", "mlx_vlm.server")
+COMMANDS = ("mlx_lm.server", "mlx_lm.generate", "mlx_vlm.server", "mlx_vlm.generate")  # run by ``python -m``
 DISABLE_ENV = "MTP_PLUGIN_DISABLE"
 
 
@@ -17,7 +23,7 @@ class _PatchAfterImport:
     """Finds nothing itself: wraps the real loader of a watched package to patch after it executes."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in WATCHED:
+        if fullname not in WATCHED and fullname not in COMMANDS:
             return None
         for finder in sys.meta_path:
             if finder is self:
@@ -38,10 +44,34 @@ class _Loader:
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        _patch_quietly(module.__name__)
+        if module.__name__ in WATCHED:
+            _patch_quietly(module.__name__)
+
+    def get_code(self, fullname):
+        """The code to run as ``__main__`` (runpy's question for ``python -m``): a command module's main block,
+        run in the imported module (``run_main_block``); any other module's own code."""
+        if fullname not in COMMANDS:
+            return self._loader.get_code(fullname)
+        source = f"import mtp_plugin.adapters.autopatch\nmtp_plugin.adapters.autopatch.run_main_block({fullname!r})\n"
+        return compile(source, self._loader.get_filename(fullname), "exec")
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
+
+
+def run_main_block(name: str) -> None:
+    """Import module ``name`` (the hook patches it) and run its ``if __name__ == "__main__":`` statements in it."""
+    import ast
+    import importlib
+    import inspect
+
+    module = importlib.import_module(name)
+    for node in ast.parse(inspect.getsource(module)).body:
+        test = node.test if isinstance(node, ast.If) else None
+        if (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+                and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value == "__main__"):
+            block = ast.Module(body=node.body, type_ignores=[])
+            exec(compile(block, module.__file__, "exec"), module.__dict__)
 
 
 _failed: list[str] = []

@@ -1,8 +1,11 @@
 """Capture points for rollback, wired inside a runtime's GatedDeltaNet layers (active only during a verify pass).
 
-The layer call keeps its whole conv input window in the cache; ``gated_delta_update`` records the recurrent state
-after each verified token, so ``rollback.Recorder.commit`` can restore any prefix. The states must be those plain
-decoding computes, one token per call. Two ways to get them:
+The layer call keeps its whole conv input window in the cache; ``gated_delta_update`` leaves, for
+``rollback.Recorder.commit`` to restore any prefix, either every verified token's recurrent state (capture) or the
+state before the pass with the update's inputs (replay: ``rollback``'s docstring). The states, and the verify pass's
+outputs, must be those plain decoding computes, one token per call.
+
+Capture, two ways:
 
 * **One call** (``capture_states``, first choice): the runtime's own per-token-states update where it has one
   (mlx-vlm ≥ 0.6.8's ``gated_delta_update_with_states``: its ops on the CPU and CUDA, its Metal kernel, the same
@@ -15,6 +18,17 @@ decoding computes, one token per call. Two ways to get them:
   kernel); the first such call is detected (fewer recorded steps than tokens), its lazy result dropped
   unevaluated, and that update goes per token from then on.
 
+Replay: the verify pass is one call of the runtime's update as plain decoding steps it (mlx-vlm's per-token-states
+update, asked for no states where it takes ``state_steps``, since its plain multi-token update is a chunked scan
+that rounds differently on the CPU; else the update itself: mlx-lm's ops loop, or its fused Metal kernel, whose
+per-thread loop over tokens is the arithmetic of its one-token calls); a rejection replays the same call over the
+accepted prefix from the state before the pass.
+
+Which: ``rollback.mode()``. "capture" and "replay" as forced; "auto" (the default) captures in one call where that
+is possible and replays where capture would take S one-token calls (mlx-lm on Metal). On the CPU capture's states
+are computed by the verify pass anyway, so keeping them costs nothing, while a replay adds an update over the
+prefix to every cycle with a rejection (``mtp-plugin bench`` prints both).
+
 Both accept the call forms of mlx-lm and of mlx-vlm (extra layer keywords such as mlx-vlm 0.6's
 ``gdn_sink``/``target_verify``; mlx-vlm 0.7's ``gated_delta_update(..., cache=, cache_index=)``,
 where the cache owns the recurrent state).
@@ -24,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import sys
 import threading
 
@@ -96,15 +111,40 @@ def _one_call(update, args, kwargs, tokens: int, with_states=None):
     return out, state, steps
 
 
+def _final_only(with_states):
+    """``(out, state)`` of the runtime's per-token-states update ``with_states``, asking it for no states where it
+    takes ``state_steps`` (mlx-vlm ≥ 0.7); elsewhere its states are built lazily and never evaluated."""
+    keywords = {"state_steps": 0} if "state_steps" in inspect.signature(with_states).parameters else {}
+
+    def run(*args, **kwargs):
+        out, state, _ = with_states(*args, **kwargs, **keywords)
+        return out, state
+
+    return run
+
+
+def _replay(run, args: tuple, length: int, rows=None):
+    """The state after the first ``length`` tokens of the pass ``run(*args)``, from its initial state, in one call;
+    ``rows`` (B, length) bool: the tokens each row takes (with the pass's own mask)."""
+    q, k, v, a, b, A_log, dt_bias, state, mask = args
+    mask = mask if mask is None else mask[:, :length]
+    if rows is not None:
+        mask = rows if mask is None else mask & rows
+    prefix = [x[:, :length] for x in (q, k, v, a, b)]
+    return run(*prefix, A_log, dt_bias, state, mask)[1]
+
+
 def capture_states(update, with_states=None):
-    """Wrap ``gated_delta_update``: during a verify pass, record the state after every token (module docstring: one
-    call where the runtime offers per-token states (``with_states``) or steps token by token, else one call per
-    token).
+    """Wrap ``gated_delta_update``: during a verify pass, record what restores any prefix (module docstring): every
+    token's state in one call where the runtime offers per-token states (``with_states``) or steps token by token,
+    else (way "replay", or "auto" where capture takes one call per token) the replay of the pass; way "capture"
+    there: one call per token.
 
     Single-token steps are what plain decoding runs, so the verified states equal plain decoding's.
     With ``cache=`` (mlx-vlm ≥ 0.7) the initial state is read from and the final one written to
     ``cache[cache_index]``, as the runtime's own cache-owned update does.
     """
+    stepped = None if with_states is None else _final_only(with_states)
 
     @functools.wraps(update)
     def wrapper(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, use_kernel=True, **kwargs):
@@ -116,22 +156,28 @@ def capture_states(update, with_states=None):
             state = cache[index]
             if state is not None and state.shape[0] != q.shape[0]:
                 state = None
-        whole = _one_call(update, (q, k, v, a, b, A_log, dt_bias, state, mask), {"use_kernel": use_kernel, **kwargs},
-                          q.shape[1], with_states)
+        args, options = (q, k, v, a, b, A_log, dt_bias, state, mask), {"use_kernel": use_kernel, **kwargs}
+        whole = None if recorder.way == "replay" else _one_call(update, args, options, q.shape[1], with_states)
         if whole is not None:
             out, state, states = whole
-        else:
+            recorder.record_states(states)
+        elif recorder.way == "capture":
             outs, states = [], []
             for t in range(q.shape[1]):
                 step = slice(t, t + 1)
                 out, state = update(q[:, step], k[:, step], v[:, step], a[:, step], b[:, step], A_log, dt_bias,
-                                    state, None if mask is None else mask[:, step], use_kernel=use_kernel, **kwargs)
+                                    state, None if mask is None else mask[:, step], **options)
                 outs.append(out)
                 states.append(state)
             out = mx.concatenate(outs, axis=1)
+            recorder.record_states(states)
+        else:
+            own = options.keys() - {"use_kernel"}
+            run = functools.partial(update if stepped is None or own else stepped, **options)
+            out, state = run(*args)
+            recorder.record_replay(state, functools.partial(_replay, run, args))
         if cache is not None:
             cache[index] = state
-        recorder.record_states(states)
         return out, state
 
     return wrapper

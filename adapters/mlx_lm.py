@@ -98,6 +98,19 @@ def mtp_layer_sanitize(model_type, config, weights):
 
 
 @hookimpl
+def mtp_build_model(config):
+    """The mlx-lm model of ``config`` as ``load_model`` builds it before reading weights (its own class lookup,
+    ``_get_classes``), unloaded and unquantized; None when mlx-lm has no such model type."""
+    from mlx_lm.utils import _get_classes
+
+    try:
+        model_class, args_class = _get_classes(config)
+    except ValueError:  # "Model type … not supported."
+        return None
+    return model_class(args_class.from_dict(config))
+
+
+@hookimpl
 def mtp_load_model(model_dir):
     """``mlx_lm.load`` (patched, so the head is attached)."""
     from mlx_lm import load

@@ -16,6 +16,11 @@ The cache behind each finished row holds exactly the tokens its response reports
 that stops inside its block keeps only the verified inputs before its final token. A finished row's head
 is remembered (``BatchContext.remember``) so that a request reusing its prompt cache starts with the head's
 history of that context too.
+
+Logits processors see what mlx-lm's ``GenerationBatch`` shows them: the stop and length rules are applied as each
+token of a block is read (``BatchDrafter.cycle``'s ``ends``), so a row's processors never see a position after the
+token it finishes on, and a row with processors that finishes on a token no pass fed gets their call on it from one
+trunk step on a copy of its cache (``_final_calls``), as stock's last step feeds that token.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from mtp_plugin.tuning import start_depth
 
 from .capture import rollback_ready
 from .mlx_lm_decoding import CAPTURED, CLI, SAMPLINGS
+from .mlx_lm_fallback import Resume, stock_batch
 
 log = logging.getLogger("mtp_plugin")
 STORED_HEADS = 32  # finished requests whose head caches are kept for requests that reuse their prompt caches
@@ -69,11 +75,20 @@ class BatchContext:
     options: dict = field(default_factory=dict)  # uid -> the server's MTPRequest (or None)
     heads: dict = field(default_factory=dict)  # uid -> HeadRow
     store: OrderedDict = field(default_factory=OrderedDict)  # tokens -> head of a finished request (``remember``)
+    failed: str | None = None  # why batched MTP stopped after a fault of the plugin's (then every batch is stock)
     cycles: int = 0  # batched passes: cycles and plain steps
     row_cycles: int = 0  # rows × passes
     tokens: int = 0
     drafted: int = 0
     accepted: int = 0
+
+    def fail(self, error: Exception) -> None:
+        """A fault in the plugin's batched path: every batch of this model decodes stock from now on (one warning,
+        with the traceback to report)."""
+        if self.failed is None:
+            self.failed = f"{type(error).__name__}: {error}"
+            log.warning("mtp_plugin: batched MTP failed (%s); its requests and later ones decode without the head",
+                        self.failed, exc_info=error)
 
     def head_row(self, uid: int, prefix: list[int]) -> HeadRow:
         """The head of request ``uid``, created on first use for a row whose trunk cache already holds ``prefix``
@@ -147,6 +162,8 @@ def batching_model(model) -> BatchingModel | None:
     if trunk is None:
         return None
     ctx = loaded.batching
+    if ctx is not None and ctx.failed:
+        return None
     if ctx is None:
         start = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
         ctx = loaded.batching = BatchContext(trunk, BatchDrafter(trunk, loaded.module), loaded.health, start)
@@ -157,8 +174,10 @@ def batching_model(model) -> BatchingModel | None:
 
 
 def context_of(batch) -> BatchContext | None:
-    """The MTP batching context of a prompt or generation batch's model (None: stock batching)."""
-    return getattr(batch.model, "mtp_batching", None)
+    """The MTP batching context of a prompt or generation batch's model (None: stock batching, also after a
+    fault)."""
+    ctx = getattr(batch.model, "mtp_batching", None)
+    return None if ctx is None or ctx.failed else ctx
 
 
 class _Capture:
@@ -170,7 +189,17 @@ class _Capture:
 
     def __call__(self, inputs: mx.array, cache=None):
         hidden = self.ctx.trunk.hidden(inputs, cache)
-        n, states = inputs.shape[1], []
+        if not self.ctx.failed:
+            try:
+                self._feed(hidden)
+            except Exception as error:  # the head's history only: the trunk's pass above is whole
+                self.ctx.fail(error)
+        self.done += inputs.shape[1]
+        return hidden
+
+    def _feed(self, hidden: mx.array) -> None:
+        """Give each row's head its valid positions of this chunk's hidden states (B, n, H)."""
+        n, states = hidden.shape[1], []
         for i, uid in enumerate(self.uids):
             valid = max(0, min(n, len(self.tokens[i]) - self.done))
             if not valid:
@@ -181,8 +210,6 @@ class _Capture:
             cache = row.drafter.cache  # empty after a first chunk of one token: mlx-lm 0.31 has no state for it
             states += [row.carry, *(cache.state if cache.offset else ())]
         mx.eval(states)
-        self.done += n
-        return hidden
 
 
 def capture_prompt(prompt):
@@ -213,8 +240,14 @@ def start_generation(generate):
             return generate(self, tokens, *args, **kwargs)
         if any(len(t) > 1 for t in tokens):
             self.prompt([t[:-1] for t in tokens])
-        batch = MTPGenerationBatch.empty(self.model, self.fallback_sampler)
-        batch.add_rows(self, [t[-1] for t in tokens], ctx)
+        if ctx.failed:  # the head's prompt pass failed: stock rows from the prompt just processed
+            return generate(self, [t[-1:] for t in tokens], *args, **kwargs)
+        try:
+            batch = MTPGenerationBatch.empty(self.model, self.fallback_sampler)
+            batch.add_rows(self, [t[-1] for t in tokens], ctx)
+        except Exception as error:
+            ctx.fail(error)
+            return generate(self, [t[-1:] for t in tokens], *args, **kwargs)
         for name in ("uids", "prompt_cache", "tokens", "samplers", "logits_processors", "max_tokens"):
             setattr(self, name, [])
         return batch
@@ -284,7 +317,19 @@ class MTPGenerationBatch:
         log.debug("mtp_plugin: %d rows join MTP decoding", len(prompts.uids))
 
     def extend(self, batch) -> None:
-        """Append another batch's rows (rows joining between cycles)."""
+        """Append another batch's rows (rows joining between cycles); a fault hands every row to stock decoding."""
+        rows = self._resume()
+        if context_of(self) is None or not isinstance(batch, MTPGenerationBatch):  # batched MTP failed meanwhile
+            self._fall_back(rows)
+            self.extend(batch)  # stock's own
+            return
+        rows += batch._resume()
+        try:
+            self._join(batch)
+        except Exception as error:
+            self._fall_back(rows, error)
+
+    def _join(self, batch) -> None:
         from mlx_lm.generate import _extend_cache
 
         for name in ("uids", "tokens", "rows", "samplers", "logits_processors", "max_tokens", "stops",
@@ -317,6 +362,13 @@ class MTPGenerationBatch:
             c.filter(keep)
         self.head_cache.filter(keep)
 
+    def _head_of(self, idx: int):
+        """Row ``idx``'s head KV cache, unbatched (empty while no row has fed the head a pair: 1- or 2-token
+        prompts decoding plain)."""
+        from mlx_lm.models.cache import KVCache
+
+        return KVCache() if self.head_cache.keys is None else self.head_cache.extract(idx)
+
     def extract_cache(self, idx: int) -> list:
         """Row ``idx``'s trunk caches, unbatched (they hold ``tokens[idx]``)."""
         return [c.extract(idx) for c in self.prompt_cache]
@@ -329,41 +381,68 @@ class MTPGenerationBatch:
         auto = policy.next_depth() if any(r.depth is None for r in self.rows) else None
         return [auto if r.depth is None else r.depth for r in self.rows]
 
-    def _finish(self, i: int, block: list[int]) -> tuple[int, str | None]:
-        """How many of row i's block tokens it emits, and why it finishes (None: it goes on), by mlx-lm's
-        rules applied token by token: ``max_tokens`` ("length"), then the stop sequences ("stop")."""
-        for j, token in enumerate(block):
-            self.num_tokens[i] += 1
-            reason = "length" if self.num_tokens[i] >= self.max_tokens[i] else None
-            if self.matchers[i].advance(token):
-                reason = "stop"
-            if reason is not None:
-                return j + 1, reason
-        return len(block), None
+    def _end(self, i: int, token: int) -> str | None:
+        """Why row i finishes on ``token``, its next emitted token (None: it goes on), by mlx-lm's rules:
+        ``max_tokens`` ("length"), then the stop sequences ("stop")."""
+        self.num_tokens[i] += 1
+        reason = "length" if self.num_tokens[i] >= self.max_tokens[i] else None
+        if self.matchers[i].advance(token):
+            reason = "stop"
+        return reason
 
     def next(self) -> list:
         """One cycle (or, when no row drafts, one plain step pipelined as mlx-lm's): mlx-lm ``Response``s, one per
-        token of every row's block."""
+        token of every row's block. A fault of the plugin's hands the rows to stock decoding (``_fall_back``)."""
         if not self.uids:
             return []
-        ctx, start = context_of(self), time.perf_counter()
-        policy = ctx.policy(len(self.rows))
-        depths, self.asked = self.asked or self._depths(ctx, policy), None
-        if max(depths) == 0:
-            return self._plain(ctx, policy, start)
-        if self.ahead is not None:  # leave pipelined plain steps: emit the queued tokens, draft next call
-            self.asked = depths
-            return self._settle(ctx)
-        return self._cycle(ctx, policy, depths, start)
+        ctx, start, rows = context_of(self), time.perf_counter(), self._resume()
+        if ctx is None:  # batched MTP failed in another batch of this model
+            self._fall_back(rows)
+            return self.next()
+        try:
+            policy = ctx.policy(len(self.rows))
+            depths, self.asked = self.asked or self._depths(ctx, policy), None
+            if max(depths) == 0:
+                return self._plain(ctx, policy, start)
+            if self.ahead is not None:  # leave pipelined plain steps: emit the queued tokens, draft next call
+                self.asked = depths
+                return self._settle(ctx)
+            return self._cycle(ctx, policy, depths, start)
+        except Exception as error:
+            self._fall_back(rows, error)
+            return self.next()
+
+    def _resume(self) -> list[Resume]:
+        """Every row as stock decoding would resume it now (O(rows): contexts are read only on a fault)."""
+        fed = self.ahead is not None  # a queued plain step holds each row's ``last`` in the trunk cache
+        return [Resume(uid, tokens, len(tokens) - fed, row.last, emitted, sampler, processors, stops, most)
+                for uid, tokens, row, emitted, sampler, processors, stops, most in zip(
+                    self.uids, self.tokens, self.rows, self.num_tokens, self.samplers, self.logits_processors,
+                    self.stops, self.max_tokens, strict=True)]
+
+    def _fall_back(self, rows: list[Resume], error: Exception | None = None) -> None:
+        """Become mlx-lm's own ``GenerationBatch`` of ``rows`` (their state before the failing call); ``error``, the
+        fault, stops batched MTP for the model with one warning. Every later call is stock."""
+        if error is not None:
+            self.model.mtp_batching.fail(error)
+        stock = stock_batch(self.model.model, self.fallback_sampler, rows)
+        self.__class__, self.__dict__ = type(stock), stock.__dict__  # the generator holds this object
 
     def _cycle(self, ctx: BatchContext, policy, depths: list[int], start: float) -> list:
-        verified = ctx.drafter.cycle(self.rows, self.prompt_cache, self.head_cache, depths)
+        finished = [None] * len(self.rows)
+
+        def ends(i: int, token: int) -> bool:
+            finished[i] = self._end(i, token)
+            return finished[i] is not None
+
+        verified = ctx.drafter.cycle(self.rows, self.prompt_cache, self.head_cache, depths, ends)
         if verified.nonfinite:
             ctx.health.nonfinite()
-        emitted, finished = zip(*(self._finish(i, block) for i, block in enumerate(verified.blocks)), strict=True)
+        emitted = [len(block) for block in verified.blocks]
         for i, row in enumerate(self.rows):
             self.tokens[i] += [row.last, *verified.blocks[i][: emitted[i] - 1]]
         ctx.drafter.commit(self.rows, self.prompt_cache, self.head_cache, verified, emitted)
+        self._final_calls(ctx, finished, [n > a for n, a in zip(emitted, verified.accepted, strict=True)])
         seconds = (time.perf_counter() - start) / len(self.rows)
         for i, row in enumerate(self.rows):
             d, a = verified.depths[i], verified.accepted[i]
@@ -375,8 +454,7 @@ class MTPGenerationBatch:
                 row.stats.plain += 1
             if row.depth is None:
                 policy.observe(d, a, seconds)
-        blocks = [block[:n] for block, n in zip(verified.blocks, emitted, strict=True)]
-        return self._respond(ctx, blocks, verified.logprobs, finished)
+        return self._respond(ctx, verified.blocks, verified.logprobs, finished)
 
     def _plain(self, ctx: BatchContext, policy, start: float) -> list:
         """Emit the queued plain step's tokens after queueing the next step on them (mlx-lm's pipelining)."""
@@ -391,12 +469,24 @@ class MTPGenerationBatch:
         for row in self.rows:
             if row.depth is None:
                 policy.observe(0, 0, seconds)
-        return self._emit_step(ctx, step, tokens)
+        finished = [self._end(i, t) for i, t in enumerate(tokens)]
+        return self._respond(ctx, [[t] for t in tokens], step.logprobs[:, None], finished)
 
     def _settle(self, ctx: BatchContext) -> list:
         """Emit the queued plain step's tokens without queueing another: every row's ``last`` is unfed again."""
         step, self.ahead = self.ahead, None
-        return self._emit_step(ctx, step, self._take(step))
+        tokens = self._take(step)
+        finished = [self._end(i, t) for i, t in enumerate(tokens)]
+        self._final_calls(ctx, finished, [True] * len(tokens))
+        return self._respond(ctx, [[t] for t in tokens], step.logprobs[:, None], finished)
+
+    def _final_calls(self, ctx: BatchContext, finished: list, unfed: list[bool]) -> None:
+        """The processors' call for the last token of each row with processors that finishes on a token no pass fed
+        (``unfed``): mlx-lm's ``GenerationBatch`` feeds a row's last token, and calls its processors on it, in the
+        step that emits it (``BatchDrafter.final_call``: one trunk step on a copy of the row's cache)."""
+        for i, row in enumerate(self.rows):
+            if finished[i] is not None and unfed[i] and row.processors:
+                ctx.drafter.final_call(row, self.extract_cache(i))
 
     @staticmethod
     def _feed_last(ctx: BatchContext, batch) -> Step:
@@ -416,10 +506,6 @@ class MTPGenerationBatch:
             row.stats.plain += 1
         return tokens
 
-    def _emit_step(self, ctx: BatchContext, step: Step, tokens: list[int]) -> list:
-        finished = [self._finish(i, [t])[1] for i, t in enumerate(tokens)]
-        return self._respond(ctx, [[t] for t in tokens], step.logprobs[:, None], finished)
-
     def _respond(self, ctx: BatchContext, blocks: list[list[int]], logprobs: mx.array, finished) -> list:
         """mlx-lm ``Response``s for every row's emitted ``blocks`` (log-probs (B, L, V)); finished rows leave."""
         responses, keep = [], []
@@ -435,7 +521,7 @@ class MTPGenerationBatch:
             if finished[i] is None:
                 keep.append(i)
             elif self.rows[i].head_whole:
-                ctx.remember(self.tokens[i], self.head_cache.extract(i), self.rows[i].pending)
+                ctx.remember(self.tokens[i], self._head_of(i), self.rows[i].pending)
         ctx.cycles += 1
         ctx.row_cycles += len(self.uids)
         ctx.tokens += len(responses)

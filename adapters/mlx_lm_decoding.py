@@ -21,10 +21,10 @@ import logging
 import sys
 import weakref
 
-from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH, Sampling
+from mtp_plugin.decoding import MAX_DEPTH, Sampling
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
-from mtp_plugin.tuning import depth_policy, start_depth
+from mtp_plugin.tuning import depth_policy, sampled_policy
 
 from .capture import rollback_ready
 from .patching import release
@@ -76,8 +76,8 @@ def decoding_options(model, loaded, prompt, depth, kwargs) -> dict | None:
     by mlx-lm's own ``maybe_quantize_kv_cache`` after every committed pass (``kv_quantizer``). A rotating
     KV cache (a ``prompt_cache`` holding ``RotatingKVCache`` layers) is exact while it never wraps; one that
     could wrap during this generation cannot be rolled back, and decodes stock with a warning. A sampled
-    generation with the automatic depth uses the tuned depth, fixed (tuned plain: stock), so that a seed fixes
-    its tokens as in stock mlx-lm.
+    generation with the automatic depth decides from counts only (``tuning.sampled_policy``; tuned plain: stock),
+    so that a seed fixes its tokens.
 
     Raises:
         ValueError: a bad ``mtp_depth`` (``tuning.depth_policy``).
@@ -104,12 +104,13 @@ def decoding_options(model, loaded, prompt, depth, kwargs) -> dict | None:
     sampling = None if sampler is None else SAMPLINGS[sampler]  # None: greedy (also mlx-lm's temp=0 sampler)
     if sampling is not None and automatic and not depth:
         # Sampling: the same seed must give the same tokens, as in stock mlx-lm, so the depth must not depend
-        # on timing (the adaptive controller): the tuned depth, fixed; tuned plain: stock decoding.
-        depth = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
-        if depth == 0:
+        # on timing (the adaptive controller): decisions from counts only; tuned plain: stock decoding.
+        policy = sampled_policy(loaded)
+        if policy is None:
             return None
-    policy = depth_policy(depth, loaded)  # raises on a bad depth
-    loaded.stats = MTPStats(policy if isinstance(policy, int) else None)
+    else:
+        policy = depth_policy(depth, loaded)  # raises on a bad depth
+    loaded.stats = MTPStats(policy if isinstance(policy, int) else getattr(policy, "depth", None))
     return {
         "cache": cache,
         "head_cache": KVCache(),

@@ -38,6 +38,7 @@ from .mlx_lm_batching import (
 from .mlx_lm_decoding import CLI
 
 PLUGIN_NAMES = ("mtp",)
+SERVING = "mtp_serving"  # set on the server's own LRUPromptCache (``serving_cache``)
 _handler = threading.local()  # the MTP options of the request being parsed on this handler thread
 _serving = threading.local()  # the MTP options of the request being served on the generation thread
 _routing = threading.local()  # the MTP options of the request the generation thread is about to batch
@@ -246,6 +247,36 @@ def pass_options(stream_generate):
     return wrapper
 
 
+def keep_a_token_to_run(fetch_nearest_cache):
+    """Wrap ``LRUPromptCache.fetch_nearest_cache``: the server's prompt cache (``serving_cache``) never answers a prompt
+    with an empty remainder. mlx-lm answers a prompt equal to a cached sequence with that cache and no tokens to run,
+    and its generation thread then dies ("Sequence N has an empty prompt"; stock mlx-lm too, e.g. a prompt that
+    repeats an earlier prompt and its completion). The nearest cache of the prompt without its last token is taken
+    instead, and that token is run. Any other ``LRUPromptCache`` (a user's own, mlx-lm's tests of the class) answers
+    as stock."""
+
+    @functools.wraps(fetch_nearest_cache)
+    def wrapper(self, model, tokens, *args, **kwargs):
+        cache, rest = fetch_nearest_cache(self, model, tokens, *args, **kwargs)
+        if rest or not tokens or not getattr(self, SERVING, False):
+            return cache, rest
+        cache, rest = fetch_nearest_cache(self, model, tokens[:-1], *args, **kwargs)
+        return cache, [*rest, tokens[-1]]
+
+    return wrapper
+
+
+def serving_cache(init):
+    """Wrap ``ResponseGenerator.__init__``: the prompt cache it is given is the server's (``keep_a_token_to_run``)."""
+
+    @functools.wraps(init)
+    def wrapper(self, model_provider, prompt_cache, *args, **kwargs):
+        setattr(prompt_cache, SERVING, True)
+        init(self, model_provider, prompt_cache, *args, **kwargs)
+
+    return wrapper
+
+
 def report_counters(make_response):
     """Wrap ``APIHandler.generate_response`` / ``completion_usage_response``: add ``timings`` with
     ``draft_n`` and ``draft_n_accepted`` to a request's final response when the model has a head."""
@@ -270,6 +301,8 @@ def patch_server(patches, server) -> None:
     patches.wrap(server, "main", strip_cli_flags)
     patches.wrap(server, "stream_generate", pass_options)
     patches.wrap(server.APIHandler, "do_POST", answer_bad_options)
+    patches.wrap(server.LRUPromptCache, "fetch_nearest_cache", keep_a_token_to_run)
+    patches.wrap(server.ResponseGenerator, "__init__", serving_cache)
     patches.wrap(server.APIHandler, "validate_model_parameters", read_request_options)
     patches.wrap(server.APIHandler, "generate_response", report_counters)
     patches.wrap(server.APIHandler, "completion_usage_response", report_counters)

@@ -31,11 +31,10 @@ import types
 
 import mlx.core as mx
 
-from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
 from mtp_plugin.trunk import PromptInputs, multimodal
-from mtp_plugin.tuning import depth_policy, start_depth
+from mtp_plugin.tuning import depth_policy, sampled_policy
 
 from .capture import rollback_ready
 from .mlx_lm_decoding import CLI, add_mtp_arguments, announce
@@ -157,18 +156,19 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, position
 
     temperature, top_p, top_k = _sampling_parameters(ar, model, args)
     sampled = sampling(ar, args, temperature, top_p, top_k, positioned) if temperature > 0 else None
+    policy = None
     if sampled is not None and (depth is None or (type(depth) is int and depth == 0)):
         # A seed must fix the tokens, as in stock mlx-vlm: the depth of a sampled generation may not depend on
-        # timing (the adaptive controller); the tuned depth, fixed (tuned plain: stock decoding).
-        depth = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
-        if depth == 0:
+        # timing (the adaptive controller); decisions from counts only (tuned plain: stock decoding).
+        policy = sampled_policy(loaded)
+        if policy is None:
             return None
 
     prompt_size = args["input_ids"].size
     step = args.get("prefill_step_size")
     chunked = step is not None and (prompt_size > 1 if CHUNKS_EVERY_PROMPT else prompt_size > step)
-    policy = depth_policy(depth, loaded)  # raises on a bad depth
-    loaded.stats = MTPStats(policy if isinstance(policy, int) else None)
+    policy = policy or depth_policy(depth, loaded)  # raises on a bad depth
+    loaded.stats = MTPStats(policy if isinstance(policy, int) else getattr(policy, "depth", None))
     cache = args.get("prompt_cache")
     return {
         "cache": make_prompt_cache(model.language_model) if cache is None else cache,

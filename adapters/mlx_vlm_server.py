@@ -15,7 +15,8 @@ position-keyed sampler, keyed only with a ``seed``, or ``make_sampler`` with top
 exact rejection sampling; its logits processors see the whole prompt, as the batch's do. What a lane does not
 reproduce stays in the batch: log-probs, thinking budgets, a ``response_format`` (a grammar matcher, which must
 not see drafts that are then rejected), mlx-vlm's prefix cache (``apc_manager``), quantized KV caches, a trunk
-without multimodal positions. A lane whose loop raises fails its own request only. On mlx-vlm
+without multimodal positions. A lane whose loop raises fails its own request only; a fault while building a
+lane leaves its request to mlx-vlm's batch (one warning each). On mlx-vlm
 ≥ 0.7 a lane's final response carries ``timings.draft_n`` / ``draft_n_accepted`` (its response schema's fields).
 """
 
@@ -270,8 +271,12 @@ class Lanes:
         _serving.current = None
         lane = None
         if request is not None and len(prompts) == 1:
-            lane = self._lane(request, prompts[0], max_tokens, (prompt_kwargs or [{}])[0],
-                              (logits_processors or [None])[0], (thinking_budget_criteria or [None])[0])
+            try:
+                lane = self._lane(request, prompts[0], max_tokens, (prompt_kwargs or [{}])[0],
+                                  (logits_processors or [None])[0], (thinking_budget_criteria or [None])[0])
+            except Exception as error:  # the plugin's fault: the request decodes in mlx-vlm's batch
+                log.warning("mtp_plugin: no MTP lane for a request (%s: %s); it decodes in mlx-vlm's batch",
+                            type(error).__name__, error, exc_info=error)
         if lane is None:
             return self.stock.insert(prompts, max_tokens, prompt_kwargs=prompt_kwargs,
                                      logits_processors=logits_processors,

@@ -26,6 +26,7 @@ import importlib.metadata
 import json
 import mimetypes
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -125,6 +126,14 @@ def run_load(server: Server, load: list[list[dict]]) -> dict:
             "accepted": sum(t.get("draft_n_accepted") or 0 for t in timings)}
 
 
+def result_path(out: Path, kind: str, runtime: str, model: Path) -> Path:
+    """``out/DATE-DEVICE-[RUNTIME-]KIND-MODEL.txt`` (``out`` created), the device name reduced to a file name."""
+    out.mkdir(parents=True, exist_ok=True)
+    device = re.sub(r"[^A-Za-z0-9.]+", "-", tuning.machine()["device_name"]).strip("-")
+    prefix = "" if runtime == "mlx_lm" else f"{runtime}-"
+    return out / f"{datetime.date.today().isoformat()}-{device}-{prefix}{kind}-{model.name}.txt"
+
+
 def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
 
@@ -212,10 +221,7 @@ def main() -> None:
     text = "\n".join(header + lines) + "\n"
     print(text, end="")
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        device = tuning.machine()["device_name"].replace(" ", "-")
-        runtime = "" if args.runtime == "mlx_lm" else f"{args.runtime}-"
-        path = args.out / f"{datetime.date.today().isoformat()}-{device}-{runtime}server-load-{args.model.name}.txt"
+        path = result_path(args.out, "server-load", args.runtime, args.model)
         path.write_text(text)
         print(f"written to {path}")
 

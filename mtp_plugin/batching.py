@@ -16,10 +16,18 @@ row rejects beyond what every row rejects.
 
 Row invariant between cycles: the trunk cache holds every token before ``last`` (the newest emitted
 token); the head's pending pairs (h[i], x[i+1]) end with the pair whose token is ``last``.
+
+Logits processors see what they see in mlx-lm's own ``GenerationBatch``: one call per token fed to the trunk, with
+the row's tokens up to it. A row with processors reads its part of a verify pass position by position
+(``decoding.Walk``; the rows with processors in lockstep, one host read per position for all of them), so that a
+rejected draft, or a position after the token the row finishes on, never reaches its processors. A row that
+finishes on a token no pass fed (its correction or bonus token) gets the call stock's last step makes for it from
+one extra trunk step on a copy of its cache (``final_call``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,7 +35,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import rollback
-from .decoding import NONFINITE, Sampling, accept_greedy, accept_sampled, processed_logprobs, reject_nonfinite
+from .decoding import (
+    NONFINITE,
+    Sampling,
+    Walk,
+    accept_greedy,
+    accept_sampled,
+    processed_logprobs,
+    reject_nonfinite,
+)
 from .drafter import PendingPairs, draft_logits, log_softmax, propose
 from .stats import MTPStats
 
@@ -72,8 +88,8 @@ class Verified:
     """A cycle's outcome, read on the host: per row the accepted count, its block and the log-probs."""
 
     depths: list[int]  # per row, the drafts verified (0: a plain step)
-    accepted: list[int]
-    blocks: list[list[int]]  # per row, its accepted drafts then the correction or bonus token
+    accepted: list[int]  # per row; a row whose block was cut on an accepted draft: the drafts read, len(block)
+    blocks: list[list[int]]  # per row: its accepted drafts, then the correction or bonus token, cut where it ends
     logprobs: mx.array  # (B, D+1, V) trunk log-probs after each row's processors
     hidden: mx.array  # (B, D+1, H) trunk hidden states of the inputs
     inputs: mx.array  # (B, D+1) ``[last, drafts…]``
@@ -186,17 +202,22 @@ class BatchDrafter:
         mx.async_eval(step.tokens, step.logprobs)
         return step
 
-    def cycle(self, rows: list[Row], cache: list, head_cache, depths: list[int]) -> Verified:
-        """Queue and run one cycle: draft, verify in one trunk pass, accept per row (one host sync).
+    def cycle(self, rows: list[Row], cache: list, head_cache, depths: list[int], ends=None) -> Verified:
+        """Queue and run one cycle: draft, verify in one trunk pass, accept per row (one host sync; with rows that
+        have logits processors, one per position they read: ``decoding.Walk``).
 
         Args:
             rows: the batch's rows, in cache row order (B ≥ 1).
             cache: the trunk's batched caches (B rows).
             head_cache: the head's batched KV cache (B rows).
             depths: per row, the drafts wanted this cycle (0..8); a row with no pending pair decodes plain.
+            ends: ``ends(i, token) -> bool``, called once for each token of row i's block, in order: True when the
+                row finishes on it (its block is cut there). None: no row finishes inside a block.
 
         Returns:
-            The ``Verified`` outcome; caches are not yet committed (``commit``).
+            The ``Verified`` outcome; caches are not yet committed (``commit``). A row's processors have seen its
+            block's last token iff the pass fed it (``len(block) <= accepted``); for one that finishes on a token
+            they have not seen, ``final_call`` makes that call.
         """
         depths = [d if len(row.pending) else 0 for row, d in zip(rows, depths, strict=True)]
         width = max(depths)
@@ -218,9 +239,18 @@ class BatchDrafter:
         else:
             hidden = self.trunk.hidden(inputs, cache)
         logits = self.trunk.trunk_logits(hidden)
-        logprobs, accepted, tokens = [], [], []
+        logprobs, accepted, tokens, walks = [], [], [], {}
         for i, row in enumerate(rows):
             d = depths[i]
+            if d and row.processors:  # read position by position below
+                q = mx.concatenate([qs[k][i] for k in range(d)], axis=0) if row.sampling is not None else None
+                walks[i] = Walk(logits[i, : d + 1], inputs[i, : d + 1], row.history, row.processors, row.sampling,
+                                q, finite[i])
+                walks[i].process()
+                logprobs.append(None)
+                accepted.append(mx.array(0))
+                tokens.append(mx.zeros((width + 1,), mx.uint32))
+                continue
             lp = processed_logprobs(logits[i, : d + 1], inputs[i, : d + 1], row.history, row.processors)
             logprobs.append(mx.pad(lp, [(0, width - d), (0, 0)]))
             if d == 0:
@@ -236,12 +266,28 @@ class BatchDrafter:
             accepted.append(reject_nonfinite(a, finite[i]))
             tokens.append(mx.pad(block.astype(mx.uint32), [(0, width - d)]))
         accepted, tokens = mx.stack(accepted), mx.stack(tokens)
-        logprobs = mx.stack(logprobs)
-        mx.eval(accepted, tokens)
+        mx.eval(accepted, tokens, [w.outcomes[-1] for w in walks.values()])
         outcomes, table = accepted.tolist(), tokens.tolist()
         counts = [max(a, 0) for a in outcomes]
         blocks = [table[i][: a + 1] for i, a in enumerate(counts)]
+        for i, block in enumerate(blocks):
+            if i not in walks and ends is not None:
+                blocks[i] = _cut(block, functools.partial(ends, i))
+        for i, (block, outcome) in _read(walks, ends).items():
+            blocks[i], counts[i], outcomes[i] = block, max(outcome, 0), outcome
+            lp = mx.stack(walks[i].logprobs)
+            logprobs[i] = mx.pad(lp, [(0, width + 1 - lp.shape[0]), (0, 0)])
+        logprobs = mx.stack(logprobs)
         return Verified(depths, counts, blocks, logprobs, hidden, inputs, recorder, NONFINITE in outcomes)
+
+    def final_call(self, row: Row, cache: list) -> None:
+        """The processors' call for a finishing row's newest token ``row.last``, which no pass fed (a correction or
+        bonus token, or a plain step's token not yet fed): the trunk run on it over ``cache``, a copy of the row's own
+        cache (one row; the batch's caches are not touched), as mlx-lm's ``GenerationBatch`` feeds a row's last token
+        (and calls its processors) in the step that emits it."""
+        fed = mx.array([row.last], dtype=mx.uint32)
+        hidden = self.trunk.hidden(fed[None], cache)
+        mx.async_eval(processed_logprobs(self.trunk.trunk_logits(hidden)[0, -1:], fed, row.history, row.processors))
 
     def commit(self, rows: list[Row], cache: list, head_cache, verified: Verified, keep: list[int]) -> None:
         """Keep each row's first ``keep[b]`` verified inputs (1 ≤ keep[b] ≤ accepted+1): caches rolled back,
@@ -258,3 +304,35 @@ class BatchDrafter:
             if row.processors:
                 row.history = mx.concatenate([row.history, verified.inputs[i, :k]])
             row.last = verified.blocks[i][k - 1]
+
+
+def _cut(block: list[int], ends) -> list[int]:
+    """``block`` up to and including the first token for which ``ends(token)`` is True (all of it if none)."""
+    for j, token in enumerate(block):
+        if ends(token):
+            return block[: j + 1]
+    return block
+
+
+def _read(walks: dict[int, Walk], ends) -> dict[int, tuple[list[int], int]]:
+    """Read the rows' walks in lockstep (one host read per position for all of them), each position processed after
+    the draft before it is accepted, until the row's block ends: a rejection, the bonus token, or the token it
+    finishes on (when that is an accepted draft the pass fed, its own call, the next position, is made too).
+
+    Returns:
+        Per row, its block and its outcome: the accepted count (the drafts read when cut on one), or
+        ``NONFINITE``.
+    """
+    blocks, outcomes, active = {i: [] for i in walks}, {}, dict(walks)
+    while active:
+        mx.eval([w.outcomes[-1] for w in active.values()])
+        for i, walk in list(active.items()):
+            token, ok = walk.read()
+            blocks[i].append(token)
+            finished = ends is not None and ends(i, token)
+            if ok:
+                walk.process()
+            if finished or not ok:
+                del active[i]
+                outcomes[i] = len(blocks[i]) - (not ok) if walk.finite_read else NONFINITE
+    return {i: (blocks[i], outcomes[i]) for i in walks}

@@ -13,14 +13,16 @@ and efficiency = achieved speedup ÷ ideal(d): 1.0 means the loop adds nothing t
 run (host bookkeeping, syncs, wasted trunk work all lower it). The host's milliseconds per cycle at each depth:
 building the cycle's graph (drafts, verify pass, acceptance) without evaluating it. The draft
 steps are timed over the full vocabulary and over a draft vocabulary (``draft_vocab.py``): the tuned one, which
-the rows then draft from and whose costs ``ideal`` uses, else one of V/8 tokens for its cost alone. Then, where
-installed, other runtimes' own MTP decoders on the same checkpoint (``mtp_reference_decoders`` hook), or one line
-saying why not.
+the rows then draft from and whose costs ``ideal`` uses, else one of V/8 tokens for its cost alone. The
+GatedDeltaNet rollback (``rollback.py``) at the best fixed depth, by capture and by replay: tokens/s and host ms per
+cycle. Then, where installed, other runtimes' own MTP decoders on the same checkpoint (``mtp_reference_decoders``
+hook), or one line saying why not.
 """
 
 from __future__ import annotations
 
 import gc
+import statistics
 from pathlib import Path
 from typing import Protocol
 
@@ -90,7 +92,8 @@ def _reference(decoder: ReferenceDecoder, prompts, depths: int, max_tokens: int,
     return {"name": decoder.name, "candidates": summarise(results)}
 
 
-def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int = 3, dtype: str | None = None) -> dict:
+def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int = 3, dtype: str | None = None,
+          prompt_tokens: int = 0, references: bool = True) -> dict:
     """Run the benchmark on ``model_dir``.
 
     Args:
@@ -99,47 +102,62 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
         max_tokens: tokens per prompt.
         repeats: repeats of the suite (medians).
         dtype: cast floating weights to ``float32`` / ``float16`` / ``bfloat16`` after loading, or None.
+        prompt_tokens: 0 for the suite's prompts (about 300 tokens each); else each prompt preceded by earlier source
+            up to this many tokens (``measure.with_context``: the same functions to continue at a long context).
+        references: also measure other runtimes' own MTP decoders (``mtp_reference_decoders``).
 
     Returns:
         ``{"candidates": rows (see ``tune.summarise``, plus ``ideal``/``efficiency`` per depth),
         "costs": {"verify": {k: t_verify(k)/t(1)}, "draft": {d: t_draft(d)/t(1)}, "plain_seconds": t(1),
-        "host": {d: seconds building a cycle's graph at depth d},
+        "host": {d: seconds building a cycle's graph and its commit at depth d; 0: a plain step's graph}, "layers": N,
         "draft_subset": {d: t_draft(d)/t(1) over the draft vocabulary}, "subset_size": k, "subset_tuned": bool}``
         (``draft_subset`` and ``subset_size`` only for a trunk that can project onto a subset),
+        "rollback": the best fixed depth's ``depth`` decoded with each GatedDeltaNet rollback way
+        (``measure.rollback_ways``),
         "references": [{"name", "candidates"} or a string saying why not]}``.
 
     Raises:
-        UsageError: ``depths``, ``max_tokens`` or ``repeats`` out of range (``usage.RANGES``), or an unknown dtype.
+        UsageError: ``depths``, ``max_tokens`` or ``repeats`` out of range (``usage.RANGES``), an unknown dtype, or a
+            negative ``prompt_tokens``.
         CheckpointError: no usable head.
     """
     check_measure_options(depths, max_tokens, repeats)
     if dtype is not None and dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    if prompt_tokens < 0:
+        raise UsageError(f"--prompt-tokens must be >= 0, got {prompt_tokens}")
     model, tokenizer = load(model_dir)
     if dtype is not None:
         cast(model, DTYPES[dtype])
     prompts = [tokenizer.encode(p) for p in measure.code_prompts()]
+    if prompt_tokens:
+        prompts = measure.with_context(prompts, prompt_tokens, tokenizer.encode)
     candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}, "adaptive": 0}
     rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats,
                                         "bench"))
+    controller = model.mtp_head.controller  # the adaptive row's, kept across its generations
+    adaptive = controller.report() if hasattr(controller, "report") else None
     tuned = model.mtp_head.draft_vocab
     subset = tuned or _cost_subset(model)
     costs = measure.component_costs(model, prompts[0], depths, vocab=subset)
+    best = int(max((r for r in rows if r["name"].startswith("depth ")), key=lambda r: r["tokens_per_second"])
+               ["name"].split()[1])
+    ways = {"depth": best, **measure.rollback_ways(model, prompts, best, max_tokens, repeats)}
     efficiency(rows, costs, "draft" if tuned is None else "draft_subset")
     del model  # free it before another runtime loads the checkpoint
     gc.collect()
     mx.clear_cache()
-    references = []
-    for item in hook().mtp_reference_decoders(model_dir=Path(model_dir), dtype=DTYPES.get(dtype)):
-        for decoder in item:
-            references.append(decoder if isinstance(decoder, str) else
-                              _reference(decoder, prompts, depths, max_tokens, repeats))
+    others = hook().mtp_reference_decoders(model_dir=Path(model_dir), dtype=DTYPES.get(dtype)) if references else []
+    references = [decoder if isinstance(decoder, str) else _reference(decoder, prompts, depths, max_tokens, repeats)
+                  for item in others for decoder in item]
     t1 = costs["plain"]
-    return {"candidates": rows, "references": references, "dtype": dtype,
+    return {"candidates": rows, "references": references, "dtype": dtype, "adaptive": adaptive, "rollback": ways,
+            "prompt_tokens": [len(p) for p in prompts],
             "adaptive_start": tuning.start_depth(Path(model_dir), DEFAULT_DEPTH, MAX_DEPTH),
             "adaptive_tuned": tuning.recorded_depth(Path(model_dir)) is not None,
             "costs": {"plain_seconds": t1, "verify": {k: v / t1 for k, v in costs["verify"].items()},
                       "draft": {d: v / t1 for d, v in costs["draft"].items()}, "host": costs["host"],
+                      "layers": costs["layers"],
                       **({"draft_subset": {d: v / t1 for d, v in costs["draft_subset"].items()},
                           "subset_size": subset.size} if subset is not None else {}),
                       "subset_tuned": tuned is not None}}
@@ -158,7 +176,8 @@ def _cost_subset(model):
 
 def render(report: dict) -> str:
     """The bench report as text: one table of candidates, the cost ratios, the references."""
-    lines = [f"{'candidate':<10} {'tok/s':>8} {'speedup':>8} {'tok/cycle':>9} {'passes/tok':>10} "
+    lines = [f"prompts of {', '.join(map(str, report['prompt_tokens']))} tokens",
+             f"{'candidate':<10} {'tok/s':>8} {'speedup':>8} {'tok/cycle':>9} {'passes/tok':>10} "
              f"{'ideal':>6} {'effic.':>6}  acceptance by depth"]
     for r in report["candidates"]:
         lines.append(_row(r))
@@ -166,14 +185,20 @@ def render(report: dict) -> str:
     lines.append(f"adaptive started {'parked (plain)' if start == 0 else f'at depth {start}'} "
                  f"({'recorded by mtp-plugin tune' if tuned else 'default: no tuning record'})")
     c = report["costs"]
+    if report.get("adaptive"):
+        lines += _adaptive_lines(report["adaptive"], c["plain_seconds"])
     lines.append(f"plain step t(1) = {c['plain_seconds'] * 1e3:.2f} ms; "
                  + "t_verify(k)/t(1): " + " ".join(f"k={k}:{v:.2f}" for k, v in c["verify"].items())
                  + "; t_draft(d)/t(1): " + " ".join(f"d={d}:{v:.2f}" for d, v in c["draft"].items()))
     pipelined = 1 / report["candidates"][0]["tokens_per_second"] / c["plain_seconds"]
     lines.append(f"plain decoding's own loop spends {pipelined:.2f} t(1) per token (it builds step t+1 while step t "
                  "computes; a cycle's successor waits for its accepted count)")
-    lines.append("host ms per cycle (building its graph, not evaluating it): "
-                 + " ".join(f"d={d}:{v * 1e3:.2f}" for d, v in c["host"].items()))
+    layers = c["layers"]
+    lines.append(f"host ms per cycle (building its graph and its commit, not evaluating them; per trunk layer of "
+                 f"{layers}): " + " ".join(f"d={d}:{v * 1e3:.2f} ({v * 1e3 / layers:.3f})"
+                                            for d, v in c["host"].items() if d)
+                 + f"; a plain step's graph: {c['host'][0] * 1e3:.2f} ({c['host'][0] * 1e3 / layers:.3f})")
+    lines.append(_ways(report["rollback"]))
     if "draft_subset" in c:
         lines.append(f"t_draft(d)/t(1) over a draft vocabulary of {c['subset_size']} tokens "
                      f"({'tuned: the rows above drafted over it' if c['subset_tuned'] else 'none tuned: cost only'}): "
@@ -187,6 +212,36 @@ def render(report: dict) -> str:
                      f"x{ratio:.3f}, measured at another time):")
         lines += ["  " + _row(r) for r in ref["candidates"]]
     return "\n".join(lines)
+
+
+def _adaptive_lines(adaptive: dict, t1: float) -> list[str]:
+    """Where the adaptive row spent its cycles (warm-up included) and the estimates it decided on, costs in t(1)."""
+    depths = adaptive["depths"]
+
+    def name(d):
+        return "plain" if d == 0 else f"d{d}"
+
+    spent = " ".join(f"{name(d)}:{v['cycles']}/{v['tokens']}" for d, v in depths.items())
+    explored = " ".join(f"{name(d)}:{v['explored']}" for d, v in depths.items() if v["explored"]) or "none"
+    estimates = " ".join(f"{name(d)}:{v['tokens_per_cycle']:.2f}/{v['cost'] / t1:.2f}={v['rate'] * t1:.2f}"
+                         for d, v in depths.items())
+    return [f"adaptive spent (cycles/tokens per depth, warm-up included): {spent}; of which exploration cycles: "
+            f"{explored}; {adaptive['rounds']} exploration rounds, {adaptive['switches']} switches, final choice "
+            f"{name(adaptive['choice'])}",
+            f"adaptive's estimates at the end (tokens per cycle / cycle cost in t(1) = rate in tokens per t(1)): "
+            f"{estimates}"]
+
+
+def _ways(ways: dict) -> str:
+    """One line: replay against capture (``rollback.py``) at the best fixed depth, tokens/s and host ms per cycle."""
+    if ways["auto"] is None:
+        return "rollback: every trunk cache is trimmed (no recurrent layer: no way to choose)"
+    capture, replay = ways["capture"], ways["replay"]
+    ratio = statistics.median(r / c for r, c in zip(replay["runs"], capture["runs"], strict=True))
+    return (f"rollback at depth {ways['depth']} (auto takes {ways['auto']} here): "
+            f"capture {capture['tokens_per_second']:.1f} tok/s, host {capture['host'] * 1e3:.2f} ms/cycle; "
+            f"replay {replay['tokens_per_second']:.1f} tok/s (x{ratio:.3f} of capture), "
+            f"host {replay['host'] * 1e3:.2f} ms/cycle (a cycle with a rejection: its graph and its commit)")
 
 
 def _row(r: dict) -> str:

@@ -21,6 +21,9 @@ from .plugins import hook
 
 SIDECAR_NAMES = ("mtp.safetensors", "mtp/weights.safetensors", "model-mtp.safetensors")
 CONFIG_KEYS = ("mtp_sidecar", "mtp_file", "mtp_weights")  # config.json keys naming a head file
+INDEX = "model.safetensors.index.json"
+JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+              type(None): "null"}
 
 
 class CheckpointError(ValueError):
@@ -55,7 +58,11 @@ class HeadTensor:
 
 @dataclass
 class HeadLocation:
-    """Where a model directory's head lives: its tensors by canonical name, files and declared size."""
+    """Where a model directory's head lives: its tensors by canonical name, files and declared size.
+
+    ``unusable``: head files that exist (or are named) but cannot be read, one line each (the head cannot load);
+    ``warnings``: what the search skipped without harm to the head (an index it could not use), one line each.
+    """
 
     model_dir: Path
     config: dict
@@ -65,6 +72,7 @@ class HeadLocation:
     metadata_files: dict[str, Path] = field(default_factory=dict)
     unusable: list[str] = field(default_factory=list)
     copies: list[HeadTensor] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     def claimed(self) -> set[tuple[Path, str]]:
         """Every ``(file, stored name)`` the head owns, equal second copies included: none of them is a trunk
@@ -133,24 +141,67 @@ def read_config(model_dir: Path) -> dict:
     """config.json of ``model_dir`` as a dict.
 
     Raises:
-        CheckpointError: if config.json is missing or not valid JSON.
+        CheckpointError: config.json is missing, unreadable, not valid JSON or not a JSON object; the message
+            names the file and the fix.
     """
     path = Path(model_dir) / "config.json"
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no config.json; point at a model directory.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot be read ({e}); fix its permissions or restore it.") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e}); restore the file from its source.") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: {JSON_KINDS.get(type(config), 'not an object')}, not a JSON object; "
+                              "restore the file from its source.")
+    return config
 
 
-def _candidate_files(model_dir: Path, config: dict, unusable: list[str]) -> tuple[list[Path], list[Path]]:
+def read_index(model_dir: Path) -> tuple[dict | None, str | None]:
+    """``model.safetensors.index.json`` of ``model_dir`` and what is wrong with it; never raises.
+
+    mlx-lm never reads the index (it globs ``model*.safetensors``) and mlx-vlm falls back to its own glob, so an
+    index is only a list of files to search, and a broken one must not stop a load.
+
+    Returns:
+        ``(data, problem)``: ``data`` the parsed index when it is a JSON object whose ``weight_map`` (if any) is an
+        object, else None (no index, or one that cannot be used); ``problem`` says what is wrong (an unusable index,
+        or the first ``weight_map`` entry that is not a file name), without the file's name; None when nothing is.
+    """
+    path = Path(model_dir) / INDEX
+    if not path.exists():
+        return None, None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"cannot be read ({e})"
+    except json.JSONDecodeError as e:
+        return None, f"not valid JSON ({e})"
+    if not isinstance(data, dict):
+        return None, f"{JSON_KINDS.get(type(data), 'not an object')}, not a JSON object"
+    weight_map = data.get("weight_map", {})
+    if not isinstance(weight_map, dict):
+        return None, f"its weight_map is {JSON_KINDS.get(type(weight_map), 'not an object')}, not a JSON object"
+    bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        return data, f"weight_map[{bad[0]!r}] is {json.dumps(bad[1])}, not a file name"
+    return data, None
+
+
+def _candidate_files(model_dir: Path, config: dict, loc: HeadLocation) -> tuple[list[Path], list[Path]]:
     """(files that may mix trunk and head tensors, named sidecar files that exist); a sidecar path that
-    exists but cannot be read, or that config.json names but is absent, is described in ``unusable``."""
+    exists but cannot be read, or that config.json names but is absent, is described in ``loc.unusable``; an
+    index that cannot be used (``read_index``) in ``loc.warnings``: the search goes on by file names."""
     shards = set(model_dir.glob("*.safetensors"))
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        shards |= {model_dir / f for f in json.loads(index.read_text()).get("weight_map", {}).values()}
+    index, index_problem = read_index(model_dir)
+    if index is not None:
+        shards |= {model_dir / f for f in index.get("weight_map", {}).values() if isinstance(f, str)}
+    if index_problem is not None:
+        kept = "its other entries are used" if index is not None else "it is ignored"
+        loc.warnings.append(f"{model_dir / INDEX}: {index_problem}; {kept}, and the head is looked for by file name "
+                            "(mlx-lm never reads the index); repair the index or delete it")
     sidecars = []
     named = {model_dir / v for cfg in (config, config.get("text_config") or {}) for k, v in cfg.items()
              if k in CONFIG_KEYS and isinstance(v, str)}
@@ -160,7 +211,7 @@ def _candidate_files(model_dir: Path, config: dict, unusable: list[str]) -> tupl
             if problem is None:
                 sidecars.append(path)
             elif problem:
-                unusable.append(f"{path}: {problem}")
+                loc.unusable.append(f"{path}: {problem}")
     shards = {p for p in shards if p.is_file()} - set(sidecars)
     return sorted(shards), sorted(set(sidecars))
 
@@ -191,6 +242,8 @@ def find_head(model_dir: Path, config: dict | None = None) -> HeadLocation:
     One head tensor stored twice (under two prefixes, in one file or two) is kept once when both
     copies are equal (shape, dtype and values; only then is any tensor data read here).
 
+    An index that cannot be used never raises: it is reported in ``warnings`` and the search goes on.
+
     Raises:
         CheckpointError: bad config.json, an unreadable weights file, or one head tensor stored twice with
             different values (the message names both copies and their files).
@@ -198,7 +251,7 @@ def find_head(model_dir: Path, config: dict | None = None) -> HeadLocation:
     model_dir = Path(model_dir)
     config = read_config(model_dir) if config is None else config
     loc = HeadLocation(model_dir=model_dir, config=config)
-    shards, sidecars = _candidate_files(model_dir, config, loc.unusable)
+    shards, sidecars = _candidate_files(model_dir, config, loc)
     for path in shards + sidecars:
         header = hook().mtp_read_tensor_names(path=path)
         if header is None:

@@ -16,11 +16,10 @@ import sysconfig
 from importlib import metadata
 from pathlib import Path
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, read_config
 from .files import Terminated, terminating_cleanly
 from .usage import GROUP_SIZES, HEAD_BITS, UsageError, describe, int_in
 
-MIN_ACCEPTANCE = 0.05  # below this the head's drafts are almost never accepted
 SAMPLE_SOURCE = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"  # real text found on every machine
 
 
@@ -51,8 +50,15 @@ def _graft(args) -> int:
     summary = graft(args.recipient, args.donor, args.out, args.layout, args.force)
     for line in summary["overridden"]:
         print(f"--force overrode: {line}", file=sys.stderr)
+    linked, copied = summary["linked"], summary["copied"]
+    if not copied:
+        recipient = "recipient files hard-linked"
+    elif not linked:
+        recipient = f"recipient files copied ({copied}: no hard link could be made, e.g. another filesystem)"
+    else:
+        recipient = f"recipient files hard-linked ({linked}) and copied ({copied}: no hard link could be made)"
     print(f"wrote {summary['out']} ({summary['layout']} layout): {summary['tensors']} head tensors in "
-          f"{summary['head_file']}, {summary['head_bytes'] / 1e6:.2f} MB new on disk; recipient files hard-linked")
+          f"{summary['head_file']}, {summary['head_bytes'] / 1e6:.2f} MB; {recipient}")
     return 0
 
 
@@ -75,10 +81,9 @@ def _verify(args) -> int:
         print(f"current wiring {current['acceptance']:.3f}; best {best['acceptance']:.3f}"
               + (" (recorded in config.json)" if result["written"] else
                  "" if best == current else "; run with --write to record it"))
-        if not result["head_trained"]:
-            print(f"head looks like random initialisation: {result['head_trained_evidence']}")
-    usable = result["head_trained"] and result["best"]["acceptance"] >= MIN_ACCEPTANCE
-    return 0 if usable else 1
+    for problem in result["problems"]:
+        print(f"mtp-plugin: verify: {problem}", file=sys.stderr)
+    return 1 if result["problems"] else 0
 
 
 def _tune(args) -> int:
@@ -118,7 +123,8 @@ def _tune_row(r: dict) -> None:
 def _bench(args) -> int:
     from .bench import bench, render
 
-    report = bench(args.model_dir, args.depths, args.max_tokens, args.repeats, args.dtype)
+    report = bench(args.model_dir, args.depths, args.max_tokens, args.repeats, args.dtype, args.prompt_tokens,
+                   not args.no_references)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
 
@@ -143,6 +149,7 @@ def render(report: dict) -> str:
         trained = "yes" if report["head_trained"] else "NO"
         lines.append(f"  head trained:       {trained} ({report['head_trained_evidence']})")
     lines += [f"  problem: {p}" for p in report["problems"]]
+    lines += [f"  warning: {w}" for w in report["warnings"]]
     return "\n".join(lines)
 
 
@@ -221,6 +228,11 @@ def parser() -> argparse.ArgumentParser:
                                      "(beside the model's own output on the prompt suite)")
     sub.choices["bench"].add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                                       help="cast the floating weights after loading (e.g. an fp32/hf checkpoint)")
+    sub.choices["bench"].add_argument("--prompt-tokens", type=int, default=0, metavar="N",
+                                      help="precede each prompt with earlier source up to N tokens (a long context; "
+                                      "default 0: the suite's prompts of about 300 tokens)")
+    sub.choices["bench"].add_argument("--no-references", action="store_true",
+                                      help="skip other runtimes' own MTP decoders (e.g. mlx-vlm's native drafter)")
     return p
 
 
@@ -236,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mtp-plugin: {directory}: {what}; pass a model directory.", file=sys.stderr)
         return 2
     try:
+        read_config(directory)  # an unreadable config.json is named here, before any runtime reads it
         with terminating_cleanly():
             return args.run(args)
     except UsageError as e:

@@ -1,31 +1,34 @@
-"""Adaptive draft depth: pick the depth with the most expected tokens per second, from live measurements.
+"""Adaptive draft depth: pick the depth with the most tokens per second, from live measurements.
 
 Model. A cycle at draft depth d runs d head steps and one verify pass of d+1 tokens, costs c(d) seconds
-(measured: draft + verify + the cycle's one host sync) and emits in expectation (Leviathan et al. 2023,
-"Fast Inference from Transformers via Speculative Decoding", §3.1, with per-position acceptance)
+(measured: draft + verify + the cycle's one host sync) and emits E(d) tokens on average; plain decoding emits 1
+token per t(1) seconds. The controller chooses, among plain decoding and depths 1..max, the highest rate E(d) / c(d)
+(1 / t(1) for plain).
 
-    E(d) = 1 + p1 + p1·p2 + … + p1·p2⋯pd   tokens,
+Estimates. c(d) and t(1): the median of a depth's last ``window`` measurements; for a depth not yet measured, a
+straight line in d through the measured ones (plain decoding is the point d = 0). E(d): the tokens per cycle the
+depth actually gave (decayed counts with a half-life in emitted tokens), shrunk towards the chain model of
+Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", §3.1,
 
-where p_k = P(draft k accepted | drafts 1..k-1 accepted). Plain decoding emits 1 token per t(1) seconds.
-The controller chooses, among plain decoding and depths 1..max, the highest expected rate: E(d) / c(d)
-for a depth, 1 / t(1) for plain.
+    E(d) = 1 + p1 + p1·p2 + … + p1·p2⋯pd,
 
-Estimates. p_k from each cycle's accepted count: counts of "draft k verified" and "draft k accepted",
-both decayed with a half-life in emitted tokens (so old evidence fades, also while parked), with a prior
-of a few pseudo-cycles centred on p_(k-1) (p_1: 0.5), so an unexplored deeper position is assumed as good
-as the one before it. c(d) and t(1): median of the last few measurements of that depth; for a depth not yet
-measured, a straight line in d through the measured costs (plain decoding is the point d = 0).
+by ``realized_prior`` pseudo-cycles; p_k = P(draft k accepted | drafts 1..k-1 accepted) is pooled over every
+cycle that verified draft k (decayed counts, a prior of a few pseudo-cycles centred on p_(k-1); p_1: 0.5). The
+chain model alone predicts a depth not yet run; once a depth has run, what it gave decides. The two differ where
+acceptance depends on where cycles start, and where they start depends on the depth: on a text with a periodic
+structure (the tiny model's greedy loops: drafts right 3, 2, 1, 0, 0, 0 positions ahead, period 6), cycles of depth 2
+keep landing on the hard positions, so p1 pooled at depth 2 (0.25) predicts depth 1 at 1.25 tokens per cycle where
+it gives 1.5, and a controller trusting the chain stays at depth 2, the worst of depths 1-3.
 
-Decisions. A newly chosen depth is kept for a few cycles (``dwell``) before the next decision, and the
-controller switches only when the predicted rate beats the current one by a clear ``margin`` (hysteresis).
-Candidates are plain, every measured depth and the unmeasured neighbours of the current one (one step
-of exploration at a time). When plain wins, the loop decodes plain ("parked") for ``park`` tokens, then
-probes drafting again for ``probe`` cycles at the depth predicted best, so a recovering acceptance rate is
-noticed; each consecutive park is twice as long (up to ``max_park``). When no measured depth could beat
-plain decoding even if every draft were accepted ((d+1)/c(d) ≤ 1/t(1): a verify pass costs more than the
-tokens it could give, as on a CPU whose matmul cost grows with the tokens of a pass), the park lasts
-``long_park`` tokens: probing again soon could only lose. While drafting, t(1) is re-measured every
-``plain_every`` tokens over ``plain_probe`` plain tokens, as long as plain decoding is still in contention.
+Decisions, every ``block`` cycles. Exploration rounds: the first decision, and then every ``explore_every`` emitted
+tokens, run a block at each neighbour of the choice (plain first while its predicted rate is within ``contest``
+of the choice's, then d-1 and d+1 while they could beat plain at full acceptance). A round whose measured
+neighbours all fall clearly below the choice (by ``margin``) doubles the interval (up to ``max_explore_every``), a
+switch resets it. When no measured depth could beat plain even with every draft accepted ((d+1)/c(d) ≤ 1/t(1): a
+verify pass dearer than the tokens it could give, as on a CPU whose matmul cost grows with the tokens of a pass),
+the interval is the longest at once and the blocks last ``probe`` cycles. Otherwise the choice moves to the
+candidate with the best predicted rate (plain, the measured depths, the choice's neighbours and the depth the
+estimates rank first) when that beats the current choice's by ``margin`` (hysteresis against noise).
 
 Pure logic: no mlx, no clock. The decoding loop asks ``next_depth()`` once per cycle and reports each
 cycle with ``observe``; the question may run one cycle ahead of the reports (the loop queues each
@@ -44,24 +47,24 @@ MIN_SECONDS = 1e-9  # the least cost recorded for a cycle, so that rates stay fi
 
 @dataclass(frozen=True)
 class Settings:
-    """Controller constants.
+    """Controller constants (chosen on recorded acceptance traces of the bundled model with the costs of a CPU,
+    and on synthetic GPU-like traces; see ``tests/test_controller.py``).
 
     Attributes:
         max_depth: largest draft depth considered (≥ 1).
         margin: relative predicted gain needed to switch (0.05: 5 % more tokens per second).
-        half_life: emitted tokens after which acceptance evidence weighs half.
-        prior_weight: pseudo-cycles of prior in each p_k estimate.
+        half_life: emitted tokens after which the chain model's acceptance evidence weighs half.
+        prior_weight: pseudo-cycles of prior in each p_k estimate of the chain model.
         first_prior: prior p_1 before any evidence.
+        realized_prior: pseudo-cycles of the chain model's prediction in a depth's tokens-per-cycle estimate.
+        realized_half_life: emitted tokens after which the tokens per cycle a depth gave weigh half (longer than
+            ``half_life``: a depth other than the choice runs only in exploration blocks).
         window: measurements per depth whose median is its cost.
-        dwell: cycles run at a newly chosen depth before the next decision.
-        plain_probe: plain tokens per measurement of t(1).
-        plain_every: emitted tokens between re-measurements of t(1) while drafting.
-        contest: t(1) is re-measured only while plain's predicted rate is within this fraction of the
-            chosen depth's (a plain step costs most when drafting is far ahead).
-        park: tokens of the first park; doubled at each consecutive park.
-        max_park: longest park, in tokens.
-        probe: cycles drafted when a park ends, before the next decision.
-        long_park: tokens of a park when no measured depth could beat plain even with every draft accepted.
+        block: cycles run at a depth (the choice, or one being explored) before the next decision.
+        explore_every: emitted tokens between exploration rounds (doubled while rounds confirm the choice).
+        max_explore_every: the longest interval between exploration rounds, in tokens.
+        contest: plain decoding is explored only while its predicted rate is within this fraction of the choice's.
+        probe: cycles of an exploration block while no measured depth could beat plain even at full acceptance.
     """
 
     max_depth: int = 8
@@ -69,15 +72,14 @@ class Settings:
     half_life: float = 128.0
     prior_weight: float = 2.0
     first_prior: float = 0.5
-    window: int = 9
-    dwell: int = 4
-    plain_probe: int = 4
-    plain_every: int = 256
+    realized_prior: float = 16.0
+    realized_half_life: float = 512.0
+    window: int = 32
+    block: int = 8
+    explore_every: int = 384
+    max_explore_every: int = 1024
     contest: float = 0.25
-    park: int = 32
-    max_park: int = 256
     probe: int = 2
-    long_park: int = 1024
 
 
 class DepthController:
@@ -87,6 +89,11 @@ class DepthController:
         start: depth to start with, 0..max_depth (0: start parked, e.g. when tuning found plain fastest).
         settings: constants (defaults suit both CPU and GPU backends).
 
+    Attributes:
+        cycles_at, tokens_at: per depth (index 0: plain steps), the cycles run and tokens emitted (not decayed).
+        explored_at: per depth, the cycles asked for in exploration blocks.
+        switches: changes of choice so far.
+
     Raises:
         ValueError: ``start`` outside 0..max_depth.
     """
@@ -95,34 +102,46 @@ class DepthController:
         self.settings = s = settings or Settings()
         if not 0 <= start <= s.max_depth:
             raise ValueError(f"start depth must be 0..{s.max_depth}, got {start}")
-        self.reached = [0.0] * (s.max_depth + 1)  # index k: decayed count of cycles that verified draft k
-        self.accepted = [0.0] * (s.max_depth + 1)  # index k: decayed count of cycles that accepted draft k
-        self.costs = [deque(maxlen=s.window) for _ in range(s.max_depth + 1)]  # index 0: plain, seconds/token
-        self.choice = start  # the regime chosen: a depth, or PLAIN when parked
-        self.running = start  # what next_depth() returns until the next decision
-        self.hold = s.park if start == PLAIN else s.dwell  # cycles to issue before the next decision
-        self.park_length = s.park  # tokens of the current or last park
-        self.probing = False  # drafting resumed after a park, not yet re-decided
-        self.since_plain = 0  # tokens emitted since t(1) was last measured
-        self.switches = 0  # changes of choice so far
+        n = s.max_depth + 1
+        self.reached = [0.0] * n  # index k: decayed count of cycles that verified draft k
+        self.accepted = [0.0] * n  # index k: decayed count of cycles that accepted draft k
+        self.tokens = [0.0] * n  # index d: decayed tokens emitted by cycles at depth d
+        self.cycles = [0.0] * n  # index d: decayed cycles at depth d
+        self.costs = [deque(maxlen=s.window) for _ in range(n)]  # index 0: plain, seconds/token
+        self.cycles_at, self.tokens_at, self.explored_at = [0] * n, [0] * n, [0] * n
+        self.choice = self.running = start  # the depth chosen; what next_depth() returns until the next decision
+        self.hold = s.block  # cycles to issue before the next decision
+        self.queue: list[int] = []  # depths still to explore in this round
+        self.interval = s.explore_every  # tokens between exploration rounds
+        self.since = 0  # tokens emitted since the last round began
+        self.rounds = 0  # exploration rounds begun
+        self.confirming = False  # a round ran since the last decision
+        self.switches = 0
 
     # Estimates -------------------------------------------------------------------------------------
 
     def acceptance(self) -> list[float]:
-        """Estimated conditional acceptance [p_1, …, p_max], each in (0, 1)."""
+        """The chain model's conditional acceptance [p_1, …, p_max], each in (0, 1)."""
         s, out, prior = self.settings, [], self.settings.first_prior
         for k in range(1, s.max_depth + 1):
             prior = (self.accepted[k] + s.prior_weight * prior) / (self.reached[k] + s.prior_weight)
             out.append(prior)
         return out
 
-    def expected_tokens(self, depth: int) -> float:
-        """E(depth) = 1 + p1 + p1·p2 + … (tokens per cycle; 1.0 for PLAIN)."""
+    def chain_tokens(self, depth: int) -> float:
+        """The chain model's E(depth) = 1 + p1 + p1·p2 + … (tokens per cycle; 1.0 for PLAIN)."""
         total, run = 1.0, 1.0
         for p in self.acceptance()[:depth]:
             run *= p
             total += run
         return total
+
+    def expected_tokens(self, depth: int) -> float:
+        """Tokens per cycle at ``depth``: what it gave, shrunk towards the chain model (1.0 for PLAIN)."""
+        if depth == PLAIN:
+            return 1.0
+        prior = self.settings.realized_prior
+        return (self.tokens[depth] + prior * self.chain_tokens(depth)) / (self.cycles[depth] + prior)
 
     def cost(self, depth: int) -> float | None:
         """Seconds per cycle at ``depth`` (PLAIN: per plain token): measured median, else a line in d through
@@ -147,6 +166,15 @@ class DepthController:
         c = self.cost(depth)
         return None if c is None else self.expected_tokens(depth) / c
 
+    def report(self) -> dict:
+        """What the controller did and decided on: per depth that ran, ``cycles``, ``tokens``, ``explored``
+        (cycles asked for in exploration blocks), and its ``tokens_per_cycle`` estimate, ``cost`` (seconds) and
+        ``rate`` (tokens/s); the ``choice``, ``switches`` and exploration ``rounds``."""
+        depths = {d: {"cycles": self.cycles_at[d], "tokens": self.tokens_at[d], "explored": self.explored_at[d],
+                      "tokens_per_cycle": self.expected_tokens(d), "cost": self.cost(d), "rate": self.rate(d)}
+                  for d in range(self.settings.max_depth + 1) if self.cycles_at[d]}
+        return {"depths": depths, "choice": self.choice, "switches": self.switches, "rounds": self.rounds}
+
     # Loop interface --------------------------------------------------------------------------------
 
     def next_depth(self) -> int:
@@ -154,6 +182,8 @@ class DepthController:
         if self.hold <= 0:
             self._decide()
         self.hold -= 1
+        if self.running != self.choice:
+            self.explored_at[self.running] += 1
         return self.running
 
     def observe(self, depth: int, accepted: int, seconds: float) -> None:
@@ -167,52 +197,69 @@ class DepthController:
         """
         emitted = accepted + 1
         fade = 0.5 ** (emitted / self.settings.half_life)
-        self.reached = [r * fade for r in self.reached]
-        self.accepted = [a * fade for a in self.accepted]
+        for counts in (self.reached, self.accepted):
+            counts[:] = [c * fade for c in counts]
+        fade = 0.5 ** (emitted / self.settings.realized_half_life)
+        for counts in (self.tokens, self.cycles):
+            counts[:] = [c * fade for c in counts]
         for k in range(1, min(accepted + 1, depth) + 1):
             self.reached[k] += 1
         for k in range(1, accepted + 1):
             self.accepted[k] += 1
+        self.tokens[depth] += emitted
+        self.cycles[depth] += 1
+        self.cycles_at[depth] += 1
+        self.tokens_at[depth] += emitted
         self.costs[depth].append(max(seconds, MIN_SECONDS))
-        self.since_plain = 0 if depth == PLAIN else self.since_plain + emitted
+        self.since += emitted
 
     # Decisions -------------------------------------------------------------------------------------
 
-    def _run(self, depth: int, hold: int) -> None:
-        self.running, self.hold = depth, hold
-
-    def _choose(self, depth: int, hold: int) -> None:
-        self.switches += depth != self.choice
-        self.choice = depth
-        self._run(depth, hold)
-
     def _decide(self) -> None:
         s = self.settings
-        if self.choice == PLAIN:  # a park ended: probe drafting at the depth that looks best
-            self.probing = True
-            self._choose(max(range(1, s.max_depth + 1), key=self._rate_or_zero), s.probe)
-            return
-        if self._plain_stale():
-            self._run(PLAIN, s.plain_probe)  # measure t(1); the choice stays
-            return
-        best = max(self._candidates(), key=self._rate_or_zero)
-        if best == self.choice or self._rate_or_zero(best) <= self._rate_or_zero(self.choice) * (1 + s.margin):
-            best = self.choice
-        if best == PLAIN:  # parks right after a probe grow: acceptance has not recovered
-            self.park_length = min(2 * self.park_length, s.max_park) if self.probing else s.park
-            self._choose(PLAIN, s.long_park if self._hopeless() else self.park_length)
-        else:
-            self._choose(best, s.dwell)
-        self.probing = False
+        if not self.queue and (not self.rounds or self.since >= self.interval):
+            self.queue = [PLAIN, *self._neighbours()] if self.choice != PLAIN else self._neighbours()
+            self.queue = list(dict.fromkeys(self.queue))  # plain first: its rate decides what is worth exploring
+            self.rounds, self.since, self.confirming = self.rounds + 1, 0, True
+        while self.queue:
+            depth = self.queue.pop(0)
+            if self._worth_exploring(depth):
+                hopeless = self.choice == PLAIN and self._hopeless()
+                self.running, self.hold = depth, s.probe if hopeless else s.block
+                return
+        candidates = {PLAIN, self.choice, *self._neighbours(), *(d for d, c in enumerate(self.costs) if c),
+                      max(range(1, s.max_depth + 1), key=lambda d: self.rate(d) or 0.0)}
+        rates = {d: self.rate(d) or 0.0 for d in candidates}
+        best = max(sorted(rates), key=rates.get)
+        if best != self.choice and rates[best] > rates[self.choice] * (1 + s.margin):
+            self.switches += 1
+            self.choice, self.interval = best, s.explore_every
+            self.queue = [d for d in self._neighbours() if not self.costs[d]]  # a new neighbourhood
+        elif self.confirming and all(rates[d] < rates[self.choice] * (1 - s.margin) for d in self._neighbours()
+                                     if self.costs[d]):  # a round clearly confirmed the choice: explore less often
+            self.interval = min(2 * self.interval, s.max_explore_every)
+        if self.choice == PLAIN and self._hopeless():
+            self.interval = s.max_explore_every
+        self.confirming = False
+        self.running, self.hold = self.choice, s.block
 
-    def _plain_stale(self) -> bool:
-        """t(1) unmeasured, or old while plain is still in contention (within ``contest`` of the choice)."""
-        s = self.settings
-        if not self.costs[PLAIN]:
-            return True
-        if self.running == PLAIN or self.since_plain < s.plain_every:
+    def _neighbours(self) -> list[int]:
+        """d-1 and d+1 within 1..max_depth, and plain, around the choice."""
+        d = self.choice
+        return [n for n in (d - 1, d + 1) if 1 <= n <= self.settings.max_depth] + ([PLAIN] if d != PLAIN else [])
+
+    def _worth_exploring(self, depth: int) -> bool:
+        """Whether a round runs a block at ``depth``: not the choice itself; plain only while its predicted rate is
+        within ``contest`` of the choice's (on a fast backend plain is far behind); a depth only while it could beat
+        plain at full acceptance, (d+1)/c(d) > 1/t(1), by its measured or extrapolated cost, or while the choice is
+        plain (a short probe then, ``probe`` cycles: costs may have changed)."""
+        plain, current = self.rate(PLAIN), self.rate(self.choice)
+        if depth == self.choice:
             return False
-        return self._rate_or_zero(PLAIN) * (1 + s.contest) >= self._rate_or_zero(self.choice)
+        if depth == PLAIN:
+            return plain is None or current is None or plain * (1 + self.settings.contest) >= current
+        cost = self.cost(depth)
+        return self.choice == PLAIN or plain is None or cost is None or (depth + 1) / cost > plain
 
     def _hopeless(self) -> bool:
         """No measured depth d beats plain even at full acceptance: (d+1)/c(d) ≤ 1/t(1) for each."""
@@ -220,14 +267,41 @@ class DepthController:
         measured = [d for d in range(1, self.settings.max_depth + 1) if self.costs[d]]
         return plain is not None and bool(measured) and all((d + 1) / self.cost(d) <= plain for d in measured)
 
-    def _rate_or_zero(self, depth: int) -> float:
-        return self.rate(depth) or 0.0
 
-    def _candidates(self) -> list[int]:
-        """Plain, every measured depth, and the current depth's neighbours."""
-        measured = [d for d, c in enumerate(self.costs) if c]
-        neighbours = [d for d in (self.choice - 1, self.choice + 1) if 1 <= d <= self.settings.max_depth]
-        return sorted({PLAIN, *measured, *neighbours})
+class SampledDepth:
+    """The depth policy of a sampled generation with the automatic depth: decisions from counts only, never from
+    clocks, so that a seed fixes the tokens as in stock decoding (the draws a cycle makes depend on its depth).
+
+    Every cycle drafts ``depth`` tokens until ``probe`` cycles have run; then, if their mean tokens per cycle
+    (1 + accepted drafts) is below the cost of a cycle in plain steps by a static model of the backend,
+    ``1 + slope × depth`` (``tuning.sampled_policy``: a verify pass of d+1 tokens costs about 1 + 0.1 d plain steps
+    on a GPU or Apple silicon, and its share of a compute-bound CPU pass grows with every token), the rest of the
+    generation decodes plain: its drafts do not pay (a random-initialised head accepts 6-15 % of its drafts when
+    sampling, enough to pass the head's 2 % health check).
+
+    Args:
+        depth: the draft depth, 1..8 (the tuned one, else the default).
+        slope: cycle cost per draft token, in plain steps (the model above).
+        probe: cycles counted before the decision.
+    """
+
+    def __init__(self, depth: int, slope: float, probe: int = 16):
+        self.depth, self.slope, self.probe = depth, slope, probe
+        self.cycles = self.tokens = 0
+        self.parked = False
+
+    def next_depth(self) -> int:
+        """``depth``, or PLAIN once parked."""
+        return PLAIN if self.parked else self.depth
+
+    def observe(self, depth: int, accepted: int, seconds: float) -> None:
+        """Count a drafting cycle's tokens; decide once ``probe`` cycles have run (``seconds`` is ignored)."""
+        if depth == PLAIN or self.cycles >= self.probe:
+            return
+        self.cycles += 1
+        self.tokens += accepted + 1
+        if self.cycles == self.probe:
+            self.parked = self.tokens / self.cycles < 1 + self.slope * self.depth
 
 
 class FixedDepth:

@@ -31,6 +31,14 @@ decoding syncs once per token. Like mlx-lm's plain loop, each block's successor 
 block is yielded, so the consumer's time overlaps the next pass; after a plain step (or the prompt pass)
 the successor, plain step or cycle, is built on the lazy token before it is read. A cycle's successor
 depends on its accepted count, so it is built after that count is read.
+
+Logits processors see exactly the sequences they see in plain decoding: one call per token, with every token
+up to it, made before that token is yielded, and none for a rejected draft or past the last yielded token
+(plain decoding's call for the token after the last one it yields included). A verify pass with processors is
+read position by position (``Walk``: one host read per processed position, only with processors): the accepted
+drafts are yielded as they are read, and the successor is queued before the block's last token. The call for a
+block's last token comes with the successor's first position (after a consumer that stops there: in ``_settle``,
+where the trunk is run on that token anyway to leave the cache as plain decoding does).
 """
 
 from __future__ import annotations
@@ -156,19 +164,47 @@ def accept_sampled(p: mx.array, q: mx.array, drafts: mx.array,
         are emitted: the drafts, then a residual sample max(p − q, 0) at the first rejection, or a
         bonus sample from p[D] when every draft is accepted.
     """
-    rows = mx.arange(drafts.shape[0])
-    if finite is not None:
-        q = mx.where(finite, q, 0.0)  # NaN never reaches the test or the residual
-    p_d, q_d = p[rows, drafts], q[rows, drafts]
-    u = mx.random.uniform(shape=drafts.shape)
-    ok = u * q_d < p_d
-    accepted = mx.cumprod(ok if finite is None else ok & finite).sum()
-    residual = mx.maximum(p[:-1] - q, 0.0)
-    residual = residual / mx.maximum(residual.sum(axis=-1, keepdims=True), 1e-30)
-    fallback = _categorical(mx.concatenate([residual, p[-1:]], axis=0))
+    ok, q = _draft_test(p[:-1], q, drafts, finite)
+    accepted = mx.cumprod(ok).sum()
+    fallback = _categorical(mx.concatenate([_residual(p[:-1], q), p[-1:]], axis=0))
     index = mx.arange(drafts.shape[0] + 1)
     block = mx.where(index < accepted, mx.concatenate([drafts, drafts[:1]]), fallback)
     return accepted, block
+
+
+def accept_sampled_position(p: mx.array, q: mx.array, draft: mx.array,
+                            finite: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """One position of exact speculative sampling (Leviathan et al. 2023, Algorithm 1, one step), for a verify
+    pass read position by position (``Walk``): the same test and residual as ``accept_sampled``.
+
+    Args:
+        p: trunk sampling distribution (1, V) at the position.
+        q: head distribution (1, V) the draft was drawn from.
+        draft: the draft token (1,) that follows the position.
+        finite: as for ``accept_sampled``.
+
+    Returns:
+        ``(ok, token)``: scalar bool, the draft accepted; token (1,): the draft, or a sample of the residual
+        max(p − q, 0).
+    """
+    ok, q = _draft_test(p, q, draft, finite)
+    return ok[0], mx.where(ok, draft, _categorical(_residual(p, q)))
+
+
+def _draft_test(p: mx.array, q: mx.array, drafts: mx.array, finite: mx.array | None) -> tuple[mx.array, mx.array]:
+    """Per draft (D,), whether it passes u·q(d) < p(d) (u uniform; False for a head output that is not finite), and
+    q with a non-finite head's rows zeroed (so NaN never reaches the test or the residual). p, q: (D, V)."""
+    rows = mx.arange(drafts.shape[0])
+    if finite is not None:
+        q = mx.where(finite, q, 0.0)
+    ok = mx.random.uniform(shape=drafts.shape) * q[rows, drafts] < p[rows, drafts]
+    return (ok if finite is None else ok & finite), q
+
+
+def _residual(p: mx.array, q: mx.array) -> mx.array:
+    """The residual distribution norm(max(p − q, 0)) (…, V)."""
+    residual = mx.maximum(p - q, 0.0)
+    return residual / mx.maximum(residual.sum(axis=-1, keepdims=True), 1e-30)
 
 
 NONFINITE = -1  # the accepted count read back for a cycle whose head output was not finite
@@ -199,6 +235,74 @@ def processed_logprobs(logits: mx.array, inputs: mx.array, past: mx.array | None
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
     return _log_softmax(logits)
+
+
+class Walk:
+    """A verify pass read one position at a time, so that logits processors see exactly what they see in plain
+    decoding.
+
+    Plain decoding calls the processors once per token it feeds the trunk, with every token up to that one (mlx-lm's
+    ``generate_step``, its batched ``GenerationBatch`` and mlx-vlm's ``generate_step``). A verify pass feeds
+    ``[last, d1 … dD]``; position j's call sees ``history + inputs[:j+1]``, a sequence plain decoding produces only
+    when d1 … dj are all accepted, which depends on the processed log-probs of positions 0 … j-1. So position j is
+    processed (``process``) only after ``read`` has shown draft j accepted, and only when the caller needs it: for
+    the token at position j, or as the call for draft j itself once it is emitted (plain decoding makes the call for
+    a token before yielding it, by queueing the step after it). A rejected draft never reaches a processor, nor does
+    any position after the generation's end. One host read per processed position (only with processors).
+
+    Args:
+        logits: the trunk's logits (S, V) at the verified positions.
+        inputs: the verified inputs (S,): the newest token, then S - 1 drafts.
+        history: the tokens (N,) the processors have seen before ``inputs``.
+        processors: mlx-lm style ``processor(tokens, logits) -> logits``.
+        sampling: None for greedy, else the ``Sampling``.
+        q: the head's distributions (S - 1, V) the drafts were drawn from (exact sampling), else None.
+        finite: scalar bool, False when the head's output was not finite (every draft rejected).
+        first: the index of position 0's token among the generated tokens (``Sampling.keyed``).
+    """
+
+    def __init__(self, logits: mx.array, inputs: mx.array, history: mx.array, processors, sampling: Sampling | None,
+                 q: mx.array | None, finite: mx.array, first: int = 0):
+        self.logits, self.inputs, self.history, self.processors = logits, inputs, history, processors
+        self.sampling, self.q, self.finite, self.first = sampling, q, finite, first
+        self.logprobs: list[mx.array] = []  # (V,) after the processors, per processed position
+        self.tokens: list[mx.array] = []  # (1,) the token drawn at each processed position
+        self.outcomes: list[mx.array] = []  # (3,) int32 per processed position: its token, its draft accepted, finite
+        self.finite_read = True  # the head's output was finite, as the latest ``read`` showed
+
+    def process(self) -> mx.array:
+        """Call the processors at the next position j and queue its token and whether draft j+1 is accepted;
+        the outcome (3,) (evaluated asynchronously)."""
+        j = len(self.logprobs)
+        seen = mx.concatenate([self.history, self.inputs[: j + 1]])
+        row = self.logits[j : j + 1]
+        for processor in self.processors:
+            row = processor(seen, row)
+        logprobs = _log_softmax(row)
+        draft = self.inputs[j + 1 : j + 2]
+        sampling = self.sampling
+        if sampling is not None and sampling.keyed is None:
+            p = sampling.probs(logprobs)
+            if draft.size:
+                ok, token = accept_sampled_position(p, self.q[j : j + 1], draft, self.finite)
+            else:
+                ok, token = mx.array(False), _categorical(p)  # the bonus token
+        else:
+            token = mx.argmax(logprobs, axis=-1) if sampling is None else sampling.keyed(logprobs, self.first + j)
+            ok = (token[0] == draft[0]) & self.finite if draft.size else mx.array(False)
+        outcome = mx.stack([token[0].astype(mx.int32), ok.astype(mx.int32), self.finite.astype(mx.int32)])
+        self.logprobs.append(logprobs[0])
+        self.tokens.append(token.astype(mx.uint32))
+        self.outcomes.append(outcome)
+        mx.async_eval(outcome, logprobs)
+        return outcome
+
+    def read(self) -> tuple[int, bool]:
+        """``(token, accepted)`` of the latest processed position: its token id, and whether it equals the draft
+        that follows it (that draft is accepted; False at the last position). One host read; it sets ``finite_read``."""
+        token, ok, finite = self.outcomes[-1].tolist()
+        self.finite_read = bool(finite)
+        return token, bool(ok)
 
 
 class DepthPolicy(Protocol):
@@ -238,15 +342,20 @@ class _Stopwatch:
 
 @dataclass
 class _Cycle:
-    """One queued cycle: its drafts, verify pass and acceptance (read once computed)."""
+    """One queued cycle: its drafts, verify pass and acceptance (read once computed).
+
+    With logits processors the acceptance is read position by position (``walk``): ``accepted`` is then None,
+    ``logprobs`` the walk's list of processed positions, and ``tokens`` is set once the walk has read the block.
+    """
 
     depth: int
     inputs: mx.array  # (d+1,): the newest token, then the drafts
     hidden: mx.array  # (1, d+1, H) trunk hidden states of ``inputs``
-    logprobs: mx.array  # (d+1, V)
-    accepted: mx.array  # scalar
-    tokens: mx.array  # (d+1,): the first accepted+1 are emitted
+    logprobs: mx.array | list  # (d+1, V)
+    accepted: mx.array | None  # scalar
+    tokens: mx.array | None  # (d+1,): the first accepted+1 are emitted
     recorder: rollback.Recorder
+    walk: Walk | None = None
 
 
 class _Loop:
@@ -317,7 +426,12 @@ class _Loop:
             log.warning("mtp_plugin: the runtime was unpatched during this generation; it goes on with plain "
                         "decoding steps (the same tokens).")
             return None
-        logprobs = self.logprobs_at(self.trunk.trunk_logits(hidden[0]), inputs, self.history)
+        logits = self.trunk.trunk_logits(hidden[0])
+        if self.processors:  # acceptance read position by position, as the block is yielded (``Walk``)
+            walk = Walk(logits, inputs, self.history, self.processors, self.sampling, q, finite, self.position)
+            mx.async_eval(logits)
+            return _Cycle(depth, inputs, hidden, walk.logprobs, None, None, recorder, walk)
+        logprobs = _log_softmax(logits)
         if self.sampling is None:
             accepted, tokens = accept_greedy(logprobs, drafts)
         elif self.sampling.keyed is not None:
@@ -337,6 +451,15 @@ class _Loop:
         if self.processors:
             self.history = mx.concatenate([self.history, cycle.inputs[: accepted + 1]])
         self.last = cycle.tokens[accepted : accepted + 1]
+
+    def feed_last(self) -> list[mx.array]:
+        """Feed ``last`` to the trunk (its cache then holds every yielded token, as plain decoding leaves it); with
+        processors, also their call for it (plain decoding computes the step after the last token it yields). The
+        arrays to evaluate with the cache."""
+        hidden = self.trunk.hidden(self.last[None], self.cache)
+        if not self.processors:
+            return []
+        return [self.logprobs_at(self.trunk.trunk_logits(hidden[0]), self.last, self.history)]
 
 
 def generate(
@@ -378,7 +501,8 @@ def generate(
         depth: a fixed draft depth d, 1 ≤ d ≤ 8, or a policy choosing it per cycle (adaptive depth).
         max_tokens: tokens to generate (-1: no limit).
         sampling: None for greedy, else the runtime sampler's temperature and filters.
-        logits_processors: mlx-lm style ``processor(tokens, logits) -> logits``, applied per verified position.
+        logits_processors: mlx-lm style ``processor(tokens, logits) -> logits``, called as plain decoding calls
+            them (``Walk``).
         prefill_step_size: prompt tokens per trunk pass while prefilling.
         prompt_progress_callback: ``callback(processed, total)`` during prefill.
         prefill_history: whether logits processors see the whole prompt (mlx-lm ≥ 0.32) or only the
@@ -482,7 +606,7 @@ def generate(
                 if n == max_tokens:
                     return
             if kind == "cycle":
-                stats.record(accepted, len(block), cycle.depth)
+                stats.record(accepted, emitted, cycle.depth)
             elif kind == "plain":
                 stats.plain += 1
             emitted = 0
@@ -496,13 +620,30 @@ def generate(
                 policy.observe(PLAIN, 0, clock.lap() - launch + own_launch)
                 continue
             cycle = item
-            accepted = cycle.accepted.item()
-            if _parks(health, cycle.depth, accepted):
+            if cycle.walk is None:
+                outcome = cycle.accepted.item()
+            else:  # processors: the accepted drafts are read and yielded one by one, the block's last token below
+                walk, following = cycle.walk, None
+                walk.process()  # position 0: the processors' call for the previous block's last token
+                token, ok = walk.read()
+                while ok:  # an accepted draft: their call for it (the pass's next position) comes before its yield
+                    walk.process()
+                    emitted, n = emitted + 1, n + 1
+                    accepted = emitted  # what ``_settle`` keeps if the consumer stops here
+                    clock.pause()
+                    yield token, walk.logprobs[emitted - 1]
+                    clock.resume()
+                    if n == max_tokens:
+                        return
+                    token, ok = walk.read()
+                outcome = emitted if walk.finite_read else NONFINITE
+                cycle.tokens = mx.concatenate(walk.tokens)
+            if _parks(health, cycle.depth, outcome):
                 drafter.stop()
-            accepted = max(accepted, 0)
-            block, block_logprobs = cycle.tokens[: accepted + 1].tolist(), cycle.logprobs
+            accepted = max(outcome, 0)
+            block, block_logprobs = cycle.tokens[emitted : accepted + 1].tolist(), cycle.logprobs
             loop.commit(cycle, accepted)
-            following, launch = queue(ask(accepted + 1))
+            following, launch = queue(ask(accepted + 1 - emitted))
             policy.observe(cycle.depth, accepted, clock.lap() - launch + own_launch)
     finally:
         _settle(loop, kind, cycle, accepted, following, emitted, stats)
@@ -533,11 +674,14 @@ def _settle(loop: _Loop, kind: str, cycle: _Cycle | None, accepted: int, followi
         stats.plain += 1
     elif kind == "cycle":
         stats.record(min(accepted, emitted), emitted, cycle.depth)
+    pending = []  # the processors' call for the newest yielded token, where it was not made yet
     if kind != "cycle" or emitted == accepted + 1:  # the newest token was yielded: it must be in the cache
         if following is None:
-            loop.trunk.hidden(loop.last[None], loop.cache)
+            pending = loop.feed_last()
         elif following[0] == "cycle":
             following[1].recorder.commit(loop.cache, 1)
+            if following[1].walk is not None:
+                pending = [following[1].walk.process()]
     else:  # stopped inside the accepted drafts: undo what the successor fed, roll back within the cycle
         if following is not None:
             fed = 1 if following[0] == "plain" else following[1].inputs.size
@@ -546,4 +690,4 @@ def _settle(loop: _Loop, kind: str, cycle: _Cycle | None, accepted: int, followi
                     c.trim(fed)
         cycle.recorder.commit(loop.cache, emitted + 1)
     loop.after_pass()
-    mx.eval([c.state for c in loop.cache])
+    mx.eval([c.state for c in loop.cache], pending)

@@ -61,7 +61,7 @@ def head_statistics(weights: dict, norm_names, in_features: dict[str, int]) -> t
     Args:
         weights: ``{canonical: mx.array}`` of a validated head (quantized linears as weight/scales/biases).
         norm_names: the canonical names of its RMSNorm weights.
-        in_features: input width per linear module (``mtp_head_in_features``).
+        in_features: input width per linear module (``validation.linear_in_features``).
 
     Returns:
         norms and projections (dequantized; up to ``SAMPLE`` evenly spaced entries) as float32 numpy

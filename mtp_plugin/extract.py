@@ -7,9 +7,9 @@ from pathlib import Path
 from .checkpoint import CheckpointError, find_head
 from .conventions import Contract
 from .files import check_new_output
-from .headfile import head_metadata, normalised_head, quantization_labels, quantize_head, write_atomically
-from .plugins import hook
+from .headfile import head_metadata, quantization_labels, quantize_head, write_atomically
 from .usage import GROUP_SIZES, HEAD_BITS, UsageError
+from .validation import validate
 
 
 def extract(hf_dir: Path, out: Path, bits: int = 8, group_size: int = 64, force: bool = False) -> dict:
@@ -28,7 +28,8 @@ def extract(hf_dir: Path, out: Path, bits: int = 8, group_size: int = 64, force:
     Raises:
         UsageError: ``out`` exists (without ``force``), lies inside ``hf_dir``, or its directory is missing or
             read-only; bits or group size not supported.
-        CheckpointError: no head in ``hf_dir`` or a model type no plugin handles.
+        CheckpointError: no head in ``hf_dir``, or one that would not load (``validation.validate``: the loader's
+            own check against the head module of ``hf_dir``'s config.json; each problem names file and tensor).
         ValueError: a group size that does not divide the head's widths.
     """
     if bits not in HEAD_BITS or group_size not in GROUP_SIZES:
@@ -38,11 +39,14 @@ def extract(hf_dir: Path, out: Path, bits: int = 8, group_size: int = 64, force:
     location = find_head(Path(hf_dir))
     if not location.tensors:
         raise CheckpointError(f"{hf_dir}: no MTP head tensors in any file; extract from the original checkpoint")
-    weights, decisions = normalised_head(location)
-    linear = hook().mtp_head_in_features(config=location.config) or {}
-    weights = quantize_head(weights, bits, group_size, linear)
+    validation = validate(location)
+    if validation.problems:
+        raise CheckpointError(f"{hf_dir}: its head would not load, so it is not extracted:\n  "
+                              + "\n  ".join(validation.problems))
+    linear = validation.in_features
+    weights = quantize_head(validation.weights, bits, group_size, linear)
     labels = quantization_labels(weights, linear)
     contract = Contract.from_metadata({**location.metadata, **location.config})
     write_atomically(Path(out), {f"mtp.{k}": v for k, v in weights.items()}, head_metadata(contract, labels))
     return {"out": str(out), "tensors": len(weights), "bytes": Path(out).stat().st_size, "quantization": labels,
-            "norms_folded": sorted(k for k, d in decisions.items() if d.convention == "zero_centred")}
+            "norms_folded": sorted(k for k, d in validation.norms.items() if d.convention == "zero_centred")}

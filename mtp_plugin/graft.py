@@ -1,10 +1,11 @@
 """``mtp-plugin graft``: give a head-less checkpoint (the recipient) the head of another (the donor).
 
-Recipient files are hard-linked into the output (copied only across filesystems), so the output
-costs only the head's bytes; the recipient and donor are never written; the output appears
-atomically (built in a temporary directory ``.NAME.*`` beside it, then renamed; removed on failure and on
-SIGTERM/SIGHUP when run under ``files.terminating_cleanly``, as the command line does). New files and
-directories get the modes of files the user creates (``files.user_mode``).
+Recipient files are hard-linked into the output (copied where a link cannot be made, e.g. across filesystems), so
+the output costs only the head's bytes; the donor's head must pass the loader's validation against the head module
+of the recipient (``validation.validate``), so a graft never writes a head that would not load; the recipient and
+donor are never written; the output appears atomically (built in a temporary directory ``.NAME.*`` beside it, then
+renamed; removed on failure and on SIGTERM/SIGHUP when run under ``files.terminating_cleanly``, as the command line
+does). New files and directories get the modes of files the user creates (``files.user_mode``).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .checkpoint import CheckpointError, HeadLocation, HeadTensor, find_head, read_config
+from .checkpoint import INDEX, CheckpointError, HeadLocation, HeadTensor, find_head, read_config, read_index
 from .compat import head_config, mismatches
 from .conventions import Contract
 from .files import check_new_output, user_mode
-from .headfile import head_metadata, normalised_head, quantization_labels, write_atomically
+from .headfile import head_metadata, write_atomically
 from .plugins import hook
 from .usage import UsageError
+from .validation import expected_head, validate
 
 LAYOUTS = {  # layout: (head file, tensor-name prefix) each runtime documents
     "mlx-lm": ("mtp.safetensors", "mtp."),  # ours: a sidecar stock mlx-lm never reads
@@ -33,6 +35,20 @@ LAYOUTS = {  # layout: (head file, tensor-name prefix) each runtime documents
 
 class GraftRefused(CheckpointError):
     """The donor's head does not fit the recipient; the message lists why and how to override."""
+
+
+def check_donor(donor: Path) -> None:
+    """Refuse a donor that is neither a model directory nor a file.
+
+    Raises:
+        UsageError: no such file or directory, or a directory without config.json.
+    """
+    if not donor.exists():
+        raise UsageError(f"--donor {donor}: no such file or directory; pass a checkpoint directory or a head "
+                         ".safetensors file")
+    if donor.is_dir() and not (donor / "config.json").is_file():
+        raise UsageError(f"--donor {donor}: a directory without config.json; pass a model directory or a head "
+                         ".safetensors file")
 
 
 def donor_location(donor: Path, model_type: str) -> HeadLocation:
@@ -62,18 +78,21 @@ def graft(recipient: Path, donor: Path, out: Path, layout: str = "mlx-lm", force
     """Build ``out``: ``recipient``'s files (hard links) plus ``donor``'s head in ``layout``.
 
     Returns:
-        Summary: layout, head file, tensors, head bytes, overridden mismatches.
+        Summary: layout, head file, tensors, head bytes, overridden mismatches, and how many recipient files were
+        hard-linked and how many copied (where a link cannot be made: another filesystem).
 
     Raises:
         UsageError: unknown layout; ``out`` exists, lies inside the recipient or donor, or its parent is
-            missing or read-only.
-        GraftRefused: config or base-quantization mismatches (unless ``force``), or a recipient that
-            already carries a head.
+            missing or read-only; a donor that does not exist or a donor directory without config.json.
+        GraftRefused: config or base-quantization mismatches (unless ``force``), a recipient that already carries
+            a head, a donor head that would not load into the recipient (``validation.validate``; never
+            overridden), or an index the ``omlx`` layout must extend that cannot be read.
         CheckpointError: unreadable inputs.
     """
     recipient, donor, out = Path(recipient), Path(donor), Path(out)
     if layout not in LAYOUTS:
         raise UsageError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    check_donor(donor)
     check_new_output(out, [recipient, donor], kind="directory")
     config = read_config(recipient)
     if config.get("model_type") not in sum(hook().mtp_model_types(), []):
@@ -85,33 +104,57 @@ def graft(recipient: Path, donor: Path, out: Path, layout: str = "mlx-lm", force
     source = donor_location(donor, config["model_type"])
     donor_config = source.config if donor.is_dir() else head_config({c: t.shape for c, t in source.tensors.items()})
     problems = mismatches(config, donor_config)
+    validation = validate(source, expected_head(config, recipient / "config.json"))
+    if validation.problems:
+        raise GraftRefused(f"the donor's head would not load into {recipient} (--force cannot override this):\n  "
+                           + "\n  ".join(validation.problems + [f"donor vs recipient: {p}" for p in problems]))
     if problems and not force:
         raise GraftRefused("donor head does not fit the recipient:\n  " + "\n  ".join(problems)
                            + "\n--force overrides (acceptance will tell whether the head still works)")
-    weights, _ = normalised_head(source)
-    labels = quantization_labels(weights, hook().mtp_head_in_features(config=config) or {})
+    weights = validation.weights
     contract = Contract.from_metadata({**source.metadata, **source.config})
     head_file, prefix = LAYOUTS[layout]
+    index = _index_to_extend(recipient, head_file, layout)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _link_tree(recipient, tmp)
-        write_atomically(tmp / head_file, {prefix + k: v for k, v in weights.items()}, head_metadata(contract, labels))
-        index = tmp / "model.safetensors.index.json"
-        if head_file.startswith("model") and index.exists():
-            data = json.loads(index.read_text())
-            data["weight_map"].update({prefix + k: head_file for k in weights})
-            index.unlink()  # a hard link to the recipient's index: never write through it
-            index.write_text(json.dumps(data, indent=2))
+        linked, copied = _link_tree(recipient, tmp)
+        write_atomically(tmp / head_file, {prefix + k: v for k, v in weights.items()},
+                         head_metadata(contract, validation.quantization))
+        if index is not None:
+            index["weight_map"].update({prefix + k: head_file for k in weights})
+            (tmp / INDEX).unlink()  # a hard link to the recipient's index: never write through it
+            (tmp / INDEX).write_text(json.dumps(index, indent=2))
         os.chmod(tmp, user_mode(directory=True))
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"out": str(out), "layout": layout, "head_file": head_file, "tensors": len(weights),
-            "head_bytes": (out / head_file).stat().st_size, "overridden": problems if force else []}
+            "head_bytes": (out / head_file).stat().st_size, "overridden": problems if force else [],
+            "linked": linked, "copied": copied}
 
 
-def _link_tree(src: Path, dst: Path) -> None:
+def _index_to_extend(recipient: Path, head_file: str, layout: str) -> dict | None:
+    """The recipient's index (``checkpoint.read_index``) when ``layout``'s head file must be listed in it (a
+    ``model*`` file, which runtimes that read the index would otherwise miss), else None.
+
+    Raises:
+        GraftRefused: that index cannot be read as an object with a ``weight_map`` object.
+    """
+    if not head_file.startswith("model") or not (recipient / INDEX).exists():
+        return None
+    data, problem = read_index(recipient)
+    if data is None:
+        raise GraftRefused(f"{recipient / INDEX}: {problem}; the {layout} layout lists its head file there: repair "
+                           "or delete the index, or choose --layout mlx-lm")
+    data.setdefault("weight_map", {})
+    return data
+
+
+def _link_tree(src: Path, dst: Path) -> tuple[int, int]:
+    """Hard-link every file of ``src`` into ``dst`` (same relative paths), copying those that cannot be linked
+    (another filesystem, a filesystem without hard links); returns ``(linked, copied)`` file counts."""
+    linked = copied = 0
     for path in sorted(src.rglob("*")):
         target = dst / path.relative_to(src)
         if path.is_dir():
@@ -120,5 +163,8 @@ def _link_tree(src: Path, dst: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.link(path, target)
+            linked += 1
         except OSError:  # another filesystem, or links not supported
             shutil.copy2(path, target)
+            copied += 1
+    return linked, copied

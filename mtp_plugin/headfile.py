@@ -61,9 +61,9 @@ def quantize_head(weights: dict, bits: int, group_size: int, linear: dict[str, i
     """Affine-quantize every float weight of a head's linear modules with ``mx.quantize`` (router gates at 8 bits).
 
     Args:
-        linear: the head's linear modules (``mtp_head_in_features``); other weights (norms, DeepSeek's router
-            ``mlp.gate``, which is no linear module and stays float as mlx-lm keeps it) and already-quantized
-            ones are kept. ``bits=16`` keeps floats (cast to bfloat16).
+        linear: the head's linear modules and their input widths (``validation.linear_in_features``); other
+            weights (norms, DeepSeek's router ``mlp.gate``, which is no linear module and stays float as mlx-lm
+            keeps it) and already-quantized ones are kept. ``bits=16`` keeps floats (cast to bfloat16).
 
     Raises:
         ValueError: an input width not divisible by ``group_size``.

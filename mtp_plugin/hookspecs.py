@@ -73,16 +73,6 @@ def mtp_stored_norm_convention(config: dict, shapes: dict, pytorch: bool) -> tup
 
 
 @hookspec(firstresult=True)
-def mtp_required_tensors(config: dict) -> list | None:
-    """Canonical names every complete head of this model must have (quantized or not), or None."""
-
-
-@hookspec(firstresult=True)
-def mtp_head_in_features(config: dict) -> dict | None:
-    """Input width of each head linear module (canonical path without ``.weight``), to read packed shapes."""
-
-
-@hookspec(firstresult=True)
 def mtp_layer_sanitize(model_type: str, config: dict, weights: dict) -> dict | None:
     """One decoder layer's ``weights`` (names under ``model.layers.0.``) in the runtime's layout, by the runtime's own
     ``sanitize`` of ``model_type`` (experts stacked, MLA's ``kv_b_proj`` split, FP8 blocks dequantized); None when no
@@ -93,10 +83,20 @@ def mtp_layer_sanitize(model_type: str, config: dict, weights: dict) -> dict | N
 def mtp_build_head(model, config: dict):
     """A float, unloaded ``mlx.nn.Module`` head built from trunk ``model``'s own layer classes, or None.
 
-    Its parameter names are the canonical names (``mtp_head_name``). ``head.MTPHead`` serves the wiring
+    Its parameter names are the canonical names (``mtp_head_name``), and its parameters are exactly what a valid
+    head holds (``validation.py``: every one present with its shape, nothing else; linear modules may be stored
+    quantized). ``head.MTPHead`` serves the wiring
     ``norm(layer(fc(concat[norm(embed(x[t+1])), norm(h[t])])))`` of Qwen3.5 and DeepSeek-V3 alike; pass
     ``array_mask=True`` when the layer's attention cannot take the string mask ``"causal"`` (DeepSeek's MLA).
     The head's KV cache is a runtime ``KVCache`` (``mtp_new_caches``), batched by the server adapter."""
+
+
+@hookspec(firstresult=True)
+def mtp_build_model(config: dict):
+    """An unloaded model of the runtime's own class for ``config`` (a config.json), as the runtime builds it before
+    reading weights, or None when no installed runtime has its model type. mlx builds arrays lazily: nothing is
+    allocated. ``validation.expected_head`` passes it to ``mtp_build_head`` to know every parameter of the head
+    (names, shapes, input widths) without loading the trunk."""
 
 
 @hookspec(firstresult=True)

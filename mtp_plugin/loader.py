@@ -11,18 +11,12 @@ import mlx.nn as nn
 
 from . import draft_vocab, health, settle
 from .checkpoint import CheckpointError, HeadLocation, find_head
-from .conventions import (
-    ZERO_CENTRED,
-    Contract,
-    NormDecision,
-    describe_quantization,
-    quantization_of,
-)
+from .conventions import ZERO_CENTRED, Contract, NormDecision
 from .diagnostics import head_statistics, judge
 from .health import HeadHealth
 from .plugins import hook
 from .stats import MTPStats
-from .validation import validate
+from .validation import Validation, validate
 
 log = logging.getLogger("mtp_plugin")
 
@@ -76,63 +70,48 @@ class LoadedHead:
 
 
 def load_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | None:
-    """Load the head of ``model_dir`` for trunk ``model``; None when the directory carries no head.
+    """Load the head of ``model_dir`` for trunk ``model``; None when the directory carries no head, or when no
+    plugin handles its model type (its files are then not even read).
+
+    What the search skipped without harm (an index it could not use) is logged as one warning, or, when the head
+    is refused, joins the error's message, so that a load warns once.
 
     Raises:
         CheckpointError: every problem ``validation.validate`` finds (head files that cannot be read, metadata
-            that does not parse, tensors missing, misshapen or not finite), or a head that does not load
-            into the built module; the message names the file and the tensor or key.
+            that does not parse, parameters of the head module missing, misshapen or unknown, values not finite);
+            the message names the file and the tensor or key.
     """
+    if config.get("model_type") not in sum(hook().mtp_model_types(), []):
+        return None
     location = find_head(Path(model_dir), config)
-    if not location.tensors and not location.unusable:
-        return None
-    head = hook().mtp_build_head(model=model, config=config)
+    head = hook().mtp_build_head(model=model, config=config) if location.tensors or location.unusable else None
     if head is None:
+        _warn(location)
         return None
-    problems, weights, norms = validate(location)
-    if problems:
-        raise CheckpointError("; ".join(problems))
-    quantization = _quantize_like(head, weights)
-    try:
-        head.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        files = ", ".join(map(str, location.files))
-        raise CheckpointError(
-            f"{files}: head does not fit this trunk ({e}); check that the head comes from the same base "
-            f"model, or re-extract it with `mtp-plugin extract`."
-        ) from None
+    validation = validate(location, head)
+    if validation.problems:
+        raise CheckpointError("; ".join(validation.problems + location.warnings))
+    _warn(location)
+    head.load_weights(list(validation.weights.items()), strict=True)  # names and shapes checked: it fits
     head.contract = Contract.from_metadata({**location.metadata, **config})
     mx.eval(head.parameters())
-    _warn_if_random(location, weights, norms)
-    return LoadedHead(head, location, norms, quantization)
+    _warn_if_random(location, validation)
+    return LoadedHead(head, location, validation.norms, validation.quantization)
 
 
-def _warn_if_random(location: HeadLocation, weights: dict, norms: dict) -> None:
+def _warn(location: HeadLocation) -> None:
+    """One warning for what the search skipped (``HeadLocation.warnings``), if anything."""
+    if location.warnings:
+        log.warning("mtp_plugin: %s", "; ".join(location.warnings))
+
+
+def _warn_if_random(location: HeadLocation, validation: Validation) -> None:
     """One warning when the head's statistics say random initialisation (``diagnostics.judge``)."""
-    in_features = hook().mtp_head_in_features(config=location.config) or {}
-    verdict = judge(*head_statistics(weights, norms, in_features)[:2])
+    verdict = judge(*head_statistics(validation.weights, validation.norms, validation.in_features)[:2])
     if not verdict.trained:
         log.warning("mtp_plugin: MTP head in %s looks like random initialisation (%s); it is parked if it "
                     "accepts under %d%% of its first %d draft tokens", ", ".join(map(str, location.files)),
                     verdict.evidence, round(100 * health.MIN_ACCEPTANCE), health.PROBE_DRAFTS)
-
-
-def _quantize_like(head: nn.Module, weights: dict) -> dict[str, str]:
-    """Quantize ``head``'s linear layers exactly as stored in ``weights``; returns a label per module."""
-    labels = {}
-
-    def predicate(path, module):
-        if not hasattr(module, "to_quantized") or f"{path}.weight" not in weights:
-            return False
-        scales = weights.get(f"{path}.scales")
-        q = quantization_of(weights[f"{path}.weight"].shape, None if scales is None else scales.shape,
-                            module.weight.shape[-1])
-        labels[path] = describe_quantization(q, str(weights[f"{path}.weight"].dtype).split(".")[-1])
-        return q or False
-
-    nn.quantize(head, class_predicate=predicate)
-    return labels
-
 
 
 def attach_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | None:

@@ -1,6 +1,7 @@
 """Decode-speed measurements shared by ``mtp-plugin tune`` and ``bench``: a code prompt suite, tokens per
 second of each decoding candidate (through the runtime's own generation loop), and the cost of the
-loop's parts (plain step, verify pass, draft steps) relative to a plain step.
+loop's parts (plain step, verify pass, draft steps) relative to a plain step; tokens per second and host cost of
+each GatedDeltaNet rollback way (``rollback_ways``).
 
 Tokens per second count the tokens after the first (the first comes from the prompt pass, the same for
 every candidate) over the seconds from the first token to the last, greedy. Candidates are run
@@ -25,6 +26,7 @@ from .decoding import accept_greedy
 from .drafter import draft_logits, log_softmax, propose
 from .plugins import hook
 from .stats import MTPStats
+from .trunk import trunk_parts
 
 PROMPT_SOURCES = ("textwrap.py", "shlex.py", "string.py", "fractions.py")  # standard library, on every machine
 PROMPT_CHARS = 1000
@@ -42,6 +44,21 @@ def code_prompts(sources: tuple[str, ...] = PROMPT_SOURCES) -> list[str]:
         end = text.index("\n", start) + 1
         prompts.append(text[max(0, end - PROMPT_CHARS) : end])
     return prompts
+
+
+def with_context(prompts: list[list[int]], tokens: int, encode) -> list[list[int]]:
+    """Each prompt (token ids) preceded by earlier standard-library source, up to ``tokens`` tokens in all: the same
+    function to continue, at a long context (the prompt's own beginning is kept; the filler is the suite's modules
+    in full, in order, the prompt's last tokens kept).
+
+    Args:
+        prompts: token ids of the suite's prompts.
+        tokens: total prompt length wanted; a prompt already that long is kept as it is.
+        encode: the tokenizer's ``encode`` (text → token ids).
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    filler = encode("\n".join((stdlib / name).read_text() for name in PROMPT_SOURCES))
+    return [filler[max(0, len(filler) - (tokens - len(p))):] + p if len(p) < tokens else p for p in prompts]
 
 
 @dataclass
@@ -124,6 +141,50 @@ def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens
     return {name: Result(name, statistics.median(runs[name]), runs[name], totals[name]) for name in depths}
 
 
+class _Warm:
+    """A model's trunk and head caches filled with a prompt (all but its last token's pair for the head), to time
+    the loop's parts on: ``last_hidden`` (1, 1, H) and ``token`` (1,) are the prompt's last."""
+
+    def __init__(self, model, prompt: list[int]):
+        self.head = model.mtp_head.module
+        self.trunk = hook().mtp_trunk(model=model, contract=self.head.contract)
+        self.cache, self.head_cache = hook().mtp_new_caches(model=model)
+        ids = mx.array(prompt)
+        hidden = self.trunk.hidden(ids[None], self.cache)
+        self.head(hidden[:, :-1], self.trunk.embed(ids[None, 1:]), cache=self.head_cache)
+        mx.eval([c.state for c in self.cache], self.head_cache.state)
+        self.last_hidden, self.token = hidden[:, -1:], ids[-1:]
+
+    def cycle(self, d: int, vocab=None) -> tuple[float, float, rollback.Recorder]:
+        """Build a whole cycle's graph (d draft steps, the verify pass, greedy acceptance), evaluate it, then build
+        its commit at a rejection of the first draft (only the newest token kept, as the cache grows by one token a
+        measurement) and evaluate that.
+
+        Returns:
+            ``(build, commit, recorder)``: seconds building the cycle's graph, seconds building the commit (neither
+            evaluating), and the pass's recorder.
+        """
+        trunk, head, head_cache = self.trunk, self.head, self.head_cache
+        start = time.perf_counter()
+        g, x, drafts = self.last_hidden, self.token, []
+        for _ in range(d):
+            g = head(g, trunk.embed(x[None]), cache=head_cache)
+            x = propose(draft_logits(g[0], trunk, vocab), vocab=vocab)[0]
+            drafts.append(x)
+        inputs = mx.concatenate([self.token, *drafts])
+        with rollback.capturing(d + 1) as recorder:
+            h = trunk.hidden(inputs[None], self.cache)
+        outcome = accept_greedy(log_softmax(trunk.trunk_logits(h[0])), inputs[1:])
+        built = time.perf_counter() - start
+        mx.eval(outcome)
+        start = time.perf_counter()
+        recorder.commit(self.cache, 1)
+        committed = time.perf_counter() - start
+        mx.eval([c.state for c in self.cache])
+        head_cache.trim(d)
+        return built, committed, recorder
+
+
 def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30, vocab=None) -> dict:
     """Seconds of the loop's parts with a warm cache, each ending in one host sync, medians over ``repeats``.
 
@@ -133,20 +194,16 @@ def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30,
 
     Returns:
         ``{"plain": t(1), "verify": {k: t_verify(k)}, "draft": {d: t_draft(d)}, "draft_subset": {d: …},
-        "host": {d: …}}``: a plain step (1-token trunk pass, logits, log-softmax, argmax); a verify pass of
-        k = 2..max_depth+1 tokens with rollback capture, its logits and log-softmax; d = 1..max_depth draft steps of
-        the head with its output projection and argmax (``draft_subset`` only with ``vocab``); the host's share of
-        a cycle at depth d: building its graph (drafts over ``vocab`` when given, verify pass, acceptance) without
-        evaluating it. Seconds.
+        "host": {d: …}, "layers": trunk layers}``: a plain step (1-token trunk pass, logits, log-softmax, argmax); a
+        verify pass of k = 2..max_depth+1 tokens with rollback capture, its logits and log-softmax; d = 1..max_depth
+        draft steps of the head with its output projection and argmax (``draft_subset`` only with ``vocab``); the
+        host's share of a cycle at depth d: building its graph (drafts over ``vocab`` when given, verify pass,
+        acceptance) and its commit at a rejection, without evaluating them (``host[0]``: building a plain step's
+        graph). Seconds.
     """
-    head = model.mtp_head.module
-    trunk = hook().mtp_trunk(model=model, contract=head.contract)
-    cache, head_cache = hook().mtp_new_caches(model=model)
-    ids = mx.array(prompt)
-    hidden = trunk.hidden(ids[None], cache)
-    head(hidden[:, :-1], trunk.embed(ids[None, 1:]), cache=head_cache)
-    mx.eval([c.state for c in cache], head_cache.state)
-    last_hidden, token = hidden[:, -1:], ids[-1:]
+    warm = _Warm(model, prompt)
+    head, trunk, cache, head_cache, last_hidden, token = (warm.head, warm.trunk, warm.cache, warm.head_cache,
+                                                          warm.last_hidden, warm.token)
 
     def plain():
         h = trunk.hidden(token[None], cache)
@@ -168,22 +225,14 @@ def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30,
         head_cache.trim(d)
 
     def host(d):
-        """Build a whole cycle's graph (d draft steps, the verify pass, greedy acceptance); returns the seconds
-        building took, then evaluates it and rolls back (not timed)."""
+        built, committed, _ = warm.cycle(d, vocab)
+        return built + committed
+
+    def host_plain():
         start = time.perf_counter()
-        g, x, drafts = last_hidden, token, []
-        for _ in range(d):
-            g = head(g, trunk.embed(x[None]), cache=head_cache)
-            x = propose(draft_logits(g[0], trunk, vocab), vocab=vocab)[0]
-            drafts.append(x)
-        inputs = mx.concatenate([token, *drafts])
-        with rollback.capturing(d + 1) as recorder:
-            h = trunk.hidden(inputs[None], cache)
-        outcome = accept_greedy(log_softmax(trunk.trunk_logits(h[0])), inputs[1:])
+        token = mx.argmax(log_softmax(trunk.trunk_logits(trunk.hidden(warm.token[None], cache)[0])), axis=-1)
         built = time.perf_counter() - start
-        mx.eval(outcome)
-        recorder.commit(cache, 1)
-        head_cache.trim(d)
+        mx.eval(token, [c.state for c in cache])
         return built
 
     parts = {("plain", 1): plain}
@@ -192,6 +241,7 @@ def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30,
     if vocab is not None:
         parts.update({("draft_subset", d): (lambda d=d: draft(d, vocab)) for d in range(1, max_depth + 1)})
     parts.update({("host", d): (lambda d=d: host(d)) for d in range(1, max_depth + 1)})
+    parts[("host", 0)] = host_plain
     seconds: dict = {part: [] for part in parts}
     for _ in tqdm(range(repeats), desc="bench: component costs", unit="round"):
         for part, run in parts.items():
@@ -202,7 +252,37 @@ def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30,
     costs = {"plain": median[("plain", 1)],
              "verify": {k: median[("verify", k)] for k in range(2, max_depth + 2)},
              "draft": {d: median[("draft", d)] for d in range(1, max_depth + 1)},
-             "host": {d: median[("host", d)] for d in range(1, max_depth + 1)}}
+             "host": {d: median[("host", d)] for d in range(max_depth + 1)},
+             "layers": len(trunk_parts(model)[0].layers)}
     if vocab is not None:
         costs["draft_subset"] = {d: median[("draft_subset", d)] for d in range(1, max_depth + 1)}
     return costs
+
+
+def rollback_ways(model, prompts: list[list[int]], depth: int, max_tokens: int, repeats: int,
+                  ways: tuple[str, ...] = ("capture", "replay")) -> dict:
+    """MTP decoding at ``depth`` with each rollback way forced in turn (``rollback.force``), interleaved as
+    ``candidates`` runs them, and the host's share of a cycle with each.
+
+    Returns:
+        ``{"auto": the way "auto" takes on this backend, way: {"tokens_per_second": median, "runs": [...],
+        "host": seconds building a cycle's graph and its commit at a rejection, median of 30}}``; only
+        ``{"auto": None}`` for a trunk whose caches are all trimmable (no way to choose).
+    """
+    decode, stats = runtime_decoder(model)
+    warm = _Warm(model, prompts[0])
+    try:
+        rollback.force("auto")
+        recorded = warm.cycle(depth)[2].layers.values()
+        if not recorded:
+            return {"auto": None}
+        report = {"auto": "replay" if any(r.replay for r in recorded) else "capture"}
+        results = candidates(decode, stats, prompts, dict.fromkeys(ways, depth), max_tokens, repeats,
+                             "bench: rollback ways", setup=rollback.force)
+        for way in ways:
+            rollback.force(way)
+            report[way] = {"tokens_per_second": results[way].tokens_per_second, "runs": results[way].runs,
+                           "host": statistics.median(sum(warm.cycle(depth)[:2]) for _ in range(30))}
+    finally:
+        rollback.force(None)
+    return report

@@ -1,7 +1,9 @@
 """``mtp-plugin inspect``: can this directory run MTP, and if not, why — from headers and head tensors only.
 
-No model is built and no trunk weights are read: file headers, the head's own tensors, and the
-trunk's 1-D norm weights (for the per-tensor norm convention) are all that is touched.
+No trunk weights are read: file headers, the head's own tensors, and the trunk's 1-D norm weights (for the
+per-tensor norm convention) are all that is touched. The loader's own validation (``validation.validate``) runs on
+the head module built from config.json (unloaded: mlx never allocates its arrays), so ``can_run`` is true only for a
+head the loader uses.
 """
 
 from __future__ import annotations
@@ -11,11 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import CheckpointError, HeadLocation, find_head, trunk_headers
-from .compat import head_config, mismatches
 from .conventions import describe_quantization
 from .diagnostics import head_statistics, judge
 from .plugins import hook
-from .validation import validate
+from .validation import Validation, validate
 
 
 def trunk_quantization(location: HeadLocation, headers: dict) -> str:
@@ -36,7 +37,6 @@ def inspect_dir(model_dir: Path) -> dict:
         CheckpointError: unreadable config.json or weights header.
     """
     location = find_head(Path(model_dir))
-    config = location.config
     handled = location.model_type in sum(hook().mtp_model_types(), [])
     headers = trunk_headers(location)
     problems = []
@@ -59,12 +59,13 @@ def inspect_dir(model_dir: Path) -> dict:
         "trunk_quantization": trunk_quantization(location, headers),
         "head_trained": None,
         "problems": problems,
+        "warnings": location.warnings,
     }
     if not handled:
         problems.append(f"model type {location.model_type!r} has no MTP support in any installed plugin")
         return report
-    validated, weights, decisions = validate(location)
-    problems += validated
+    validation = validate(location)
+    problems += validation.problems
     if not location.tensors and not problems:
         if declared:
             problems.append(f"config.json declares {location.declared_key}={declared} but no head "
@@ -73,11 +74,9 @@ def inspect_dir(model_dir: Path) -> dict:
         else:
             problems.append("no MTP head in this checkpoint; graft one with `mtp-plugin graft`")
         return report
-    shapes = {c: t.shape for c, t in location.tensors.items()}
-    problems += [f"head does not fit this trunk: {m}" for m in mismatches(config, head_config(shapes))]
-    if problems or weights is None:
+    if problems or validation.weights is None:
         return report
-    _describe_head(report, location, weights, decisions)
+    _describe_head(report, validation)
     if report["head_trained"] is False:
         problems.append(f"head looks like random initialisation ({report['head_trained_evidence']}); drafts would "
                         "almost never be accepted")
@@ -85,17 +84,11 @@ def inspect_dir(model_dir: Path) -> dict:
     return report
 
 
-def _describe_head(report: dict, location: HeadLocation, weights: dict, decisions: dict) -> None:
-    in_features = hook().mtp_head_in_features(config=location.config) or {}
-    for name, decision in decisions.items():
+def _describe_head(report: dict, validation: Validation) -> None:
+    for name, decision in validation.norms.items():
         report["norm_convention"][name] = {"convention": decision.convention, "evidence": decision.evidence}
-    norms, projections, labels = head_statistics(weights, decisions, in_features)
-    for module, q in labels.items():
-        dtype = str(weights[f"{module}.weight"].dtype).split(".")[-1]
-        report["head_quantization"][module] = describe_quantization(q, "" if q else dtype)
-    unknown = [n[: -len(".weight")] for n in weights if n.endswith(".weight") and weights[n].ndim >= 2
-               and n not in decisions and n[: -len(".weight")] not in labels]
-    report["problems"] += [f"{m}: quantized, but its input width is unknown to the plugin" for m in unknown]
+    report["head_quantization"] = dict(validation.quantization)
+    norms, projections, _ = head_statistics(validation.weights, validation.norms, validation.in_features)
     verdict = judge(norms, projections)
     report["head_trained"] = verdict.trained
     report["head_trained_evidence"] = verdict.evidence

@@ -1,33 +1,62 @@
-"""One validation of a head, used by the loader (which refuses the head) and by ``inspect`` (which says why).
+"""One validation of a head, used by the loader (which refuses the head), ``inspect`` (which says why), and
+``graft`` / ``extract`` (which refuse to write a head that would not load).
 
-Checked from config.json, the head's metadata and its own tensors (no model is built): metadata that
-parses (``mtp_contract``, ``mtp_norm_convention``, ``mtp_num_hidden_layers``); head files that exist and
-can be read; every required tensor present; norm sizes equal to the trunk's norms of the same role;
-every linear weight's input width (packed width for a quantized one, which must have scales and fit a
-bit width) and the fc's output width; every float value finite. Each problem names the file and the
-tensor or key, and the fix.
+Checked from config.json, the head's metadata and its own tensors: metadata that parses (``mtp_contract``,
+``mtp_norm_convention``, ``mtp_num_hidden_layers``); head files that exist and can be read; and the head's
+structure against the head module the loader builds (``mtp_build_head``; outside a load on an unloaded model of
+the runtime's class, ``mtp_build_model``, whose arrays mlx never allocates): every parameter of that module
+present with its shape, nothing it does not have, linear modules either float or packed with scales that fit a
+bit width and group size (the module is quantized like them, as the loader does); every float value finite.
+Nothing about the head's parameters is listed anywhere else: names, shapes and input widths all come from the
+built module. Each problem names the file and the tensor or key, and the fix.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map_with_path
 
 from .checkpoint import CheckpointError, HeadLocation, trunk_headers
-from .compat import text_config
 from .conventions import (
     ABSOLUTE,
     CONTRACT_KEY,
     NORM_KEY,
     ZERO_CENTRED,
     Contract,
-    is_norm,
+    describe_quantization,
     plays_role,
     quantization_of,
 )
 from .headfile import normalised_head
 from .plugins import hook
+
+FIX = "; re-extract the head from the original checkpoint (`mtp-plugin extract`) or graft one that fits this trunk"
+LISTED = 4  # names quoted in one problem line before "…"
+
+
+@dataclass
+class Validation:
+    """What ``validate`` found.
+
+    Attributes:
+        problems: one line per problem (empty: the head loads).
+        weights: the normalised head (``headfile.normalised_head``: canonical names, built layout, norms absolute),
+            or None when it could not be read.
+        norms: the convention decided per RMSNorm weight.
+        quantization: label per linear module as stored (``int4/g64``, ``bf16`` …).
+        in_features: input width per linear module of the built head (any module with ``to_quantized``).
+    """
+
+    problems: list[str]
+    weights: dict | None = None
+    norms: dict = field(default_factory=dict)
+    quantization: dict[str, str] = field(default_factory=dict)
+    in_features: dict[str, int] = field(default_factory=dict)
 
 
 def metadata_problems(location: HeadLocation) -> list[str]:
@@ -61,74 +90,142 @@ def _norm_key_problems(location: HeadLocation, raw) -> list[str]:
     return [f"{where}: {bad[0]!r} is not a norm convention{fix}"] if bad else []
 
 
-def tensor_problems(location: HeadLocation, weights: dict) -> list[str]:
-    """Problems of the head's tensors (canonical names, as loaded; values are evaluated for finiteness).
+def expected_head(config: dict, config_file: Path) -> nn.Module:
+    """The head module the loader builds for a checkpoint of ``config`` (float, unloaded), from an unloaded model of
+    the installed runtime's class (``mtp_build_model``: lazy arrays, nothing allocated, no weights read).
+
+    Raises:
+        CheckpointError: no installed runtime builds the model or its head, or the runtime cannot build the model
+            from ``config``; the message names ``config_file``.
+    """
+    model_type = config.get("model_type")
+    try:
+        model = hook().mtp_build_model(config=config)
+    except (TypeError, KeyError, ValueError, AttributeError) as e:  # a dataclass missing fields, a bad value
+        raise CheckpointError(f"{config_file}: the runtime cannot build a {model_type!r} model from it ({e!r}); "
+                              "restore config.json from the model's source") from None
+    head = None if model is None else hook().mtp_build_head(model=model, config=config)
+    if head is None:
+        raise CheckpointError(f"{config_file}: no installed runtime builds the MTP head of model type "
+                              f"{model_type!r}; install mlx-lm")
+    return head
+
+
+def linear_in_features(head: nn.Module) -> dict[str, int]:
+    """Input width of every module of ``head`` that can be quantized (``to_quantized``: linear, switch and multi
+    linear layers), by canonical path; read from the float module before any quantization."""
+    leaves = tree_flatten(head.leaf_modules(), is_leaf=nn.Module.is_module)
+    return {path: module.weight.shape[-1] for path, module in leaves if hasattr(module, "to_quantized")}
+
+
+def structure_problems(location: HeadLocation, head: nn.Module, weights: dict) -> tuple[list[str], dict[str, str]]:
+    """Compare the head's tensors with the parameters of ``head`` (the built module), quantizing ``head`` in place
+    like the stored weights (per module bits and group size from the packed shapes), as the loader must.
 
     Args:
-        location: where the tensors came from (names and files for the messages).
+        location: where the tensors came from (names and files for the messages; config.json).
+        head: the float head module ``mtp_build_head`` built; modified in place.
         weights: ``{canonical: mx.array}`` after the family's sanitize.
+
+    Returns:
+        ``(problems, labels)``: one line per problem naming the file and tensor (missing parameters, unknown
+        tensors, shapes, packed weights without scales), and a quantization label per linear module.
     """
-    config = location.config
-    problems = []
-    missing = [n for n in hook().mtp_required_tensors(config=config) or [] if n not in location.tensors]
-    if missing:
-        problems.append(f"head incomplete: {len(missing)} tensors missing, first {missing[0]!r}; re-extract the "
-                        "head from the original checkpoint")
-    in_features = hook().mtp_head_in_features(config=config) or {}
-    hidden = text_config(config).get("hidden_size")
-    norm_sizes = _trunk_norm_sizes(location)
+    problems, labels, broken = [], {}, set()
 
     def where(name: str) -> str:
         t = location.tensors.get(name)
         return f"{t.file}: {t.name}" if t is not None else f"{', '.join(map(str, location.files))}: {name}"
 
-    for name, value in weights.items():
-        if is_norm(name, value.shape):
-            size = norm_sizes.get(name)
-            if size is not None and value.shape != (size,):
-                problems.append(f"{where(name)}: shape {value.shape}, but the trunk's norm of the same role has "
-                                f"{size} entries; the head comes from another model: re-extract or graft the right one")
-            continue
-        if not name.endswith(".weight") or value.ndim < 2:
-            continue
-        module = name[: -len(".weight")]
-        problems += _linear_problems(where(name), value, weights.get(f"{module}.scales"),
-                                     weights.get(f"{module}.biases"), in_features.get(module),
-                                     hidden if module == "fc" else None)
-    return problems + _nonfinite(weights, where)
+    def quantize_like_stored(path: str, module: nn.Module) -> nn.Module:
+        weight, scales = weights.get(f"{path}.weight"), weights.get(f"{path}.scales")
+        if not hasattr(module, "to_quantized") or weight is None:
+            return module
+        dtype = str(weight.dtype).split(".")[-1]
+        problem = None
+        if scales is None:
+            labels[path] = describe_quantization(None, dtype)
+            if weight.dtype == mx.uint32:
+                problem = "packed (uint32) quantized weight without its scales"
+        elif weight.dtype != mx.uint32:
+            problem = f"has scales but is stored as {dtype}, not packed uint32"
+        else:
+            try:
+                q = quantization_of(weight.shape, scales.shape, module.weight.shape[-1])
+                quantized = module.to_quantized(**q)
+                labels[path] = describe_quantization(q, dtype)
+                return quantized
+            except ValueError as e:
+                problem = str(e)
+        if problem is not None:
+            problems.append(f"{where(f'{path}.weight')}: {problem}{FIX}")
+            broken.add(path)
+        return module
+
+    head.update_modules(tree_map_with_path(quantize_like_stored, head.leaf_modules(), is_leaf=nn.Module.is_module))
+    expected = {name: tuple(value.shape) for name, value in tree_flatten(head.parameters())}
+    reported = {n for n in expected if n.rpartition(".")[0] in broken}
+    missing = sorted(n for n in expected if n not in weights and n not in reported)
+    if missing:
+        problems.append(f"{', '.join(map(str, location.files))}: head incomplete, {len(missing)} of the "
+                        f"{len(expected)} parameters of the head module missing: {_listed(missing)}{FIX}")
+    for name in sorted(n for n in expected if n in weights and n not in reported):
+        shape = tuple(weights[name].shape)
+        if shape != expected[name]:
+            problems.append(f"{where(name)}: {_shape_problem(location, name, shape, expected[name])}{FIX}")
+    unknown = sorted(n for n in weights if n not in expected and n.rpartition(".")[0] not in broken)
+    return problems + _unknown_problems(location, unknown, expected, where), labels
 
 
-def _linear_problems(where: str, weight, scales, biases, in_features: int | None, out_features: int | None):
-    fix = "; re-extract the head (`mtp-plugin extract`) or graft one that fits this trunk"
-    if out_features is not None and weight.shape[-2] != out_features:
-        return [f"{where}: {weight.shape[-2]} outputs, expected {out_features} (the trunk's hidden size){fix}"]
-    if scales is None:
-        if weight.dtype == mx.uint32:
-            return [f"{where}: packed (uint32) quantized weight without its scales{fix}"]
-        if in_features is not None and weight.shape[-1] != in_features:
-            return [f"{where}: {weight.shape[-1]} inputs, expected {in_features}{fix}"]
-        return []
-    if in_features is None:
-        return []
-    if weight.dtype != mx.uint32:
-        return [f"{where}: has scales but is stored as {weight.dtype}, not packed uint32{fix}"]
-    try:
-        quantization_of(weight.shape, scales.shape, in_features)
-    except ValueError as e:
-        return [f"{where}: {e}{fix}"]
-    if scales.shape[:-1] != weight.shape[:-1] or (biases is not None and biases.shape != scales.shape):
-        return [f"{where}: scales {scales.shape} / biases {None if biases is None else biases.shape} do not match "
-                f"the weight {weight.shape}{fix}"]
-    return []
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:LISTED]) + (", …" if len(names) > LISTED else "")
 
 
-def _nonfinite(weights: dict, where) -> list[str]:
+def _shape_problem(location: HeadLocation, name: str, shape: tuple, expected: tuple) -> str:
+    """What is wrong with one tensor's shape, in the module's terms (inputs, outputs) where it is a linear weight."""
+    if name.endswith(".weight") and len(shape) == len(expected) >= 2:
+        if shape[-1] != expected[-1]:
+            return f"{shape[-1]} inputs, expected {expected[-1]} (shape {shape}, the head module needs {expected})"
+        if shape[-2] != expected[-2]:
+            return f"{shape[-2]} outputs, expected {expected[-2]} (shape {shape}, the head module needs {expected})"
+    trunk = _trunk_norm_sizes(location).get(name) if len(expected) == len(shape) == 1 else None
+    evidence = (f"; the trunk's norms of the same role have {trunk} entries: the head comes from another model"
+                if trunk == expected[0] else "")
+    return f"shape {shape}, but the head module built from config.json needs {expected}{evidence}"
+
+
+def _unknown_problems(location: HeadLocation, unknown: list[str], expected: dict, where) -> list[str]:
+    """Tensors the head module does not have: extra decoder layers in one line, any other tensor by name."""
+    layers = {n.split(".")[1] for n in expected if n.startswith("layers.")}
+    extra = {}
+    for name in unknown:
+        parts = name.split(".")
+        if parts[0] == "layers" and len(parts) > 2 and parts[1] not in layers:
+            extra.setdefault(parts[1], []).append(name)
+    problems = []
+    if extra:
+        key = location.declared_key
+        declared = f"; config.json declares {key}={location.declared_layers}" if key else ""
+        problems.append(f"{', '.join(map(str, location.files))}: {len(extra)} decoder layer(s) beyond the "
+                        f"{len(layers)} of the head module built for this trunk "
+                        f"({', '.join(f'layers.{k}.*' for k in sorted(extra))}: {sum(map(len, extra.values()))} "
+                        f"tensors{declared}); remove them from the file, or re-extract the head")
+    others = [n for n in unknown if not any(n in names for names in extra.values())]
+    problems += [f"{where(n)}: not a parameter of the head module built from config.json (a tensor from another "
+                 f"model or a newer layout); remove it or re-extract the head" for n in others[:LISTED]]
+    if len(others) > LISTED:
+        problems.append(f"{len(others) - LISTED} more unknown tensors: {_listed(others[LISTED:])}")
+    return problems
+
+
+def _nonfinite(weights: dict, location: HeadLocation) -> list[str]:
     floats = {k: v for k, v in weights.items() if mx.issubdtype(v.dtype, mx.floating)}
     flags = {k: mx.isfinite(v).all() for k, v in floats.items()}
     mx.eval(list(flags.values()))
     bad = sorted(k for k, f in flags.items() if not f.item())
-    return [f"{where(k)}: non-finite values (NaN or Inf); the file is corrupt: re-download or re-extract the head"
-            for k in bad]
+    files = ", ".join(map(str, location.files))
+    return [(f"{location.tensors[k].file}: {location.tensors[k].name}" if k in location.tensors else f"{files}: {k}")
+            + ": non-finite values (NaN or Inf); the file is corrupt: re-download or re-extract the head" for k in bad]
 
 
 def _trunk_norm_sizes(location: HeadLocation) -> dict[str, int]:
@@ -144,19 +241,29 @@ def _trunk_norm_sizes(location: HeadLocation) -> dict[str, int]:
     return sizes
 
 
-def validate(location: HeadLocation) -> tuple[list[str], dict | None, dict]:
-    """Validate the head of ``location`` and, when its metadata allows, read it.
+def validate(location: HeadLocation, head: nn.Module | None = None) -> Validation:
+    """Validate the head of ``location`` against the head module and, when its metadata allows, read it.
+
+    Args:
+        location: the head found (``checkpoint.find_head``).
+        head: the float head module the loader built for its trunk (quantized in place like the stored weights,
+            ready for ``load_weights``); None: built from ``location.config`` (``expected_head``), e.g. for inspect.
 
     Returns:
-        ``(problems, weights, decisions)``: every problem found (empty: the head can load), and the
-        normalised head with its norm decisions (``headfile.normalised_head``), or ``(problems, None, {})``
-        when the head cannot even be read.
+        A ``Validation``: every problem found (empty: the head loads) and, when the head could be read, its
+        normalised weights, norm decisions, quantization labels and the built module's input widths.
     """
     problems = metadata_problems(location)
     if problems or not location.tensors:
-        return problems, None, {}
+        return Validation(problems)
     try:
         weights, decisions = normalised_head(location)
     except CheckpointError as e:  # the family could not put the head in the built layout (a tensor is missing)
-        return [f"{', '.join(map(str, location.files))}: {e}"], None, {}
-    return tensor_problems(location, weights), weights, decisions
+        return Validation([f"{', '.join(map(str, location.files))}: {e}"])
+    try:
+        head = head if head is not None else expected_head(location.config, location.model_dir / "config.json")
+    except CheckpointError as e:
+        return Validation([str(e)])
+    in_features = linear_in_features(head)
+    problems, labels = structure_problems(location, head, weights)
+    return Validation(problems + _nonfinite(weights, location), weights, decisions, labels, in_features)

@@ -32,6 +32,7 @@ from .usage import UsageError
 
 MAX_TOKENS = 1024
 MIN_TOKENS = 2  # a draft of token t+2 from (h[t], x[t+1]) needs two tokens
+MIN_ACCEPTANCE = 0.05  # below this the head's drafts are almost never accepted
 SEARCH_POSITIONS = 512  # positions of the text the per-tensor search scores (log-likelihoods (N, V) in float32)
 
 
@@ -111,8 +112,10 @@ def verify(model_dir: Path, text: str, write: bool = False) -> dict:
     """Load ``model_dir`` with the installed runtime, sweep the wiring on ``text``, maybe record the best.
 
     Returns:
-        ``{"best": …, "current": …, "candidates": [...], "written": bool, "head_trained": bool, …}``
-        (acceptances in 0..1; ``head_trained`` is inspect's verdict on the head's statistics).
+        ``{"best": …, "current": …, "candidates": [...], "written": bool, "head_trained": bool, "problems": [...],
+        …}`` (acceptances in 0..1; ``head_trained`` is inspect's verdict on the head's statistics; ``problems`` says
+        why the head is not usable, one line each: the best wiring accepting under ``MIN_ACCEPTANCE``, random
+        initialisation, or whatever else inspect reports; empty when it is usable).
 
     Raises:
         UsageError: ``write`` and config.json or ``model_dir`` is read-only; ``text`` shorter than two tokens.
@@ -135,9 +138,15 @@ def verify(model_dir: Path, text: str, write: bool = False) -> dict:
     if write:
         _write_config(Path(model_dir), model.mtp_head, best, norm_sets[best.norms])
     report = inspect_dir(Path(model_dir))
+    problems = list(report["problems"])
+    if best.acceptance < MIN_ACCEPTANCE:
+        problems.append(f"even the best wiring ({best.norms} norms, {best.hidden} hidden, {best.concat_order}) "
+                        f"accepts {best.acceptance:.3f} of depth-1 drafts, under {MIN_ACCEPTANCE}: the head does not "
+                        "fit this trunk (graft the head of the same base model) or is untrained")
     return {"tokens": tokens.size, "best": asdict(best), "current": asdict(current),
             "candidates": [asdict(c) for c in candidates], "written": write,
-            "head_trained": report["head_trained"], "head_trained_evidence": report.get("head_trained_evidence")}
+            "head_trained": report["head_trained"], "head_trained_evidence": report.get("head_trained_evidence"),
+            "problems": problems}
 
 
 def _write_config(model_dir: Path, loaded, best: Candidate, conventions: dict[str, str]) -> None:

@@ -178,3 +178,28 @@ def png(width: int, height: int, seed: int) -> bytes:
 
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
             + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+def quantized_sidecar_checkpoint(path: Path, files_from: Path, seed: int = 0) -> Path:
+    """A random tiny Qwen3.5 checkpoint as a user's own 4-bit one: the trunk quantized by mlx-lm's ``quantize_model``
+    (what ``mlx_lm.convert -q`` runs; group size 64), its head 4-bit in an ``mtp.safetensors`` sidecar, and the
+    tokenizer and chat files of ``files_from`` (a checkpoint directory; the vocabulary takes its tokenizer's size).
+
+    Returns:
+        ``path``, written (its parent must exist).
+    """
+    import shutil
+
+    from mlx_lm.utils import quantize_model
+
+    vocab = json.loads((files_from / "tokenizer.json").read_text())["model"]["vocab"]
+    config = config_for("qwen3_5")
+    config["text_config"]["vocab_size"] = len(vocab)
+    model = build_model(config, seed=seed)
+    head = build_head(model, config, quantize={"bits": 4, "group_size": 64})
+    model, config = quantize_model(model, config, 64, 4)
+    save_checkpoint(path, config, trunk_weights(model), head, "mtp.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (files_from / name).exists():
+            shutil.copy(files_from / name, path / name)
+    return path

@@ -151,7 +151,7 @@ def test_verify_detects_and_fixes_wrong_wiring(tmp_path, recipient, reference_ac
     assert fixed["current"]["acceptance"] > reference_acceptance - 0.1
 
 
-def test_random_init_head_flagged_by_inspect_and_verify(tmp_path, recipient):
+def test_random_init_head_flagged_by_inspect_and_verify(tmp_path, recipient, capsys):
     def randomize(tensors):
         return {k: mx.zeros_like(v) if is_norm(k, v.shape) else 0.02 * mx.random.normal(v.shape)
                 for k, v in tensors.items()}, {"mtp_norm_convention": "zero_centred"}
@@ -160,4 +160,25 @@ def test_random_init_head_flagged_by_inspect_and_verify(tmp_path, recipient):
     graft(recipient, head_file_variant(tmp_path, randomize), out, force=True)
     report = inspect_dir(out)
     assert report["head_trained"] is False and not report["can_run"]
-    assert main(["verify", str(out)]) == 1
+    prompt = tmp_path / "prompt.py"
+    prompt.write_text(TEXT)
+    capsys.readouterr()
+    assert main(["verify", str(out), "--json", "--prompt-file", str(prompt)]) == 1  # exit 1 says why: stderr, JSON
+    captured = capsys.readouterr()
+    assert "mtp-plugin: verify: head looks like random initialisation" in captured.err
+    assert any("random initialisation" in p for p in json.loads(captured.out)["problems"])
+
+
+def test_verify_says_why_it_exits_1(tmp_path, monkeypatch, capsys):
+    """A head whose best wiring accepts under the threshold (raised here above any acceptance) exits 1 with the
+    reason on stderr, not just the table."""
+    import mtp_plugin.cli
+    import mtp_plugin.verify
+
+    for module in (mtp_plugin.cli, mtp_plugin.verify):
+        monkeypatch.setattr(module, "MIN_ACCEPTANCE", 1.01, raising=False)
+    prompt = tmp_path / "prompt.py"
+    prompt.write_text(TEXT)
+    assert main(["verify", str(MLX4), "--prompt-file", str(prompt)]) == 1
+    err = capsys.readouterr().err
+    assert "mtp-plugin: verify: even the best wiring" in err and "under 1.01" in err

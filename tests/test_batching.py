@@ -18,11 +18,12 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import load_model
-from mtp_plugin.adapters import mlx_lm_server
+from mtp_plugin.adapters import capture, mlx_lm_server
 from mtp_plugin.adapters.mlx_lm_server import MTPRequest
 from mtp_plugin.adapters.patching import release
 from test_sampling import PROMPT, VOCAB, chi_square_p, exact_marginals
 
+from mtp_plugin import rollback
 from mtp_plugin.drafter import HISTORY_WINDOW
 
 # mlx-lm < 0.32 pollutes the GatedDeltaNet state of right-padded prompt rows (its ArraysCache mask ignores the
@@ -109,6 +110,27 @@ def test_rows_decode_as_stock_alone(trained, depth):
     assert options[2].stats is None  # MTP off: plain tokens in the same verify passes
     if depth:
         assert set(options[0].stats.depths) == {depth}
+
+
+def test_rows_decode_as_stock_alone_with_replayed_rollback(trained, monkeypatch):
+    """Every cycle's GatedDeltaNet rollback replayed (``rollback.force("replay")``): rows that keep prefixes of
+    different lengths are restored by one masked update per layer, and every row still decodes stock's tokens."""
+    model, tokenizer = trained
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:4]]
+    options = [MTPRequest(True, 3), MTPRequest(True, 1), MTPRequest(True, 2), MTPRequest(True, 3)]
+    masked = []
+    original = capture._replay
+    monkeypatch.setattr(capture, "_replay", lambda *a: masked.append(a[3] is not None) or original(*a))
+    generator = mtp_generator(model)
+    rollback.force("replay")
+    try:
+        uids = insert(generator, prompts, MAX_TOKENS[:4], options)
+        results = {}
+        drain(generator, results)
+    finally:
+        rollback.force(None)
+    assert [results[uid] for uid in uids] == stock_tokens(model, prompts, MAX_TOKENS[:4])
+    assert any(masked) and all(o.stats.accepted > 0 for o in options)
 
 
 class Schedule:
@@ -268,3 +290,94 @@ def test_nonfinite_head_output_never_reaches_a_row(small_path, caplog):
             assert np.isfinite(logprobs).all() and token in np.argsort(-logprobs)[:top_k]
     assert "not finite" in model.mtp_head.health.parked
     assert len([r for r in caplog.records if "parked" in r.getMessage()]) == 1
+
+
+SHORT = ["x", "import os", "def", "  "]  # 1- and 2-token prompts: the head gets no pair before the first step
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "beside-others"])
+def test_one_and_two_token_prompts(trained, together):
+    """Prompts of 1 and 2 tokens with ``max_tokens`` 1-4 and MTP on, off and by the server default, alone and
+    beside a long row, twice on one generator (a finished row's empty head is remembered): every row is stock's."""
+    model, tokenizer = trained
+    prompts = [tokenizer.encode(p) for p in SHORT]
+    assert {len(p) for p in prompts} == {1, 2}
+    lengths = [1, 4, 2, 3]
+    options = [MTPRequest(False), None, MTPRequest(True, 2), MTPRequest(True, 1)]
+    if together:
+        prompts, lengths, options = [tokenizer.encode(PROMPTS[1]), *prompts], [20, *lengths], [None, *options]
+    want = stock_tokens(model, prompts, lengths)
+    generator = mtp_generator(model)
+    for _ in range(2):
+        if together:
+            uids = insert(generator, prompts, lengths, options)
+        else:
+            uids = []
+            for i in range(len(prompts)):
+                uids += insert(generator, prompts[i : i + 1], lengths[i : i + 1], options[i : i + 1])
+        results = {}
+        drain(generator, results)
+        assert [results[uid] for uid in uids] == want
+    assert model.mtp_head.batching.failed is None
+
+
+@pytest.fixture
+def fresh(trained):
+    """The trained model with a fresh batching context (a fault stops batched MTP for the model's lifetime)."""
+    model, tokenizer = trained
+    model.mtp_head.batching = None
+    yield model, tokenizer
+    model.mtp_head.batching = None
+
+
+def inject(monkeypatch, owner, name: str, call: int):
+    """Make the plugin's own ``owner.name`` raise on its ``call``-th call (1-based), as a bug there would."""
+    original, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise RuntimeError(f"injected fault in {name}")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+    return calls
+
+
+FAULTS = {  # where a bug of the plugin's can strike: the part it breaks, and at which call
+    "cycle": ("mtp_plugin.batching.BatchDrafter", "cycle", 3),
+    "commit": ("mtp_plugin.batching.BatchDrafter", "commit", 2),
+    "plain": ("mtp_plugin.batching.BatchDrafter", "plain", 2),
+    "head-prompt": ("mtp_plugin.drafter.Drafter", "prefill", 2),
+    "join": ("mtp_plugin.adapters.mlx_lm_batching.MTPGenerationBatch", "_join", 1),
+    "respond": ("mtp_plugin.adapters.mlx_lm_batching.MTPGenerationBatch", "_respond", 4),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_fault_in_the_plugin_costs_no_request(fresh, monkeypatch, caplog, fault):
+    """A fault injected into the plugin's batched path (drafting and verifying, rolling back, plain steps, the
+    head's prompt pass, rows joining, responding): every row, the short ones included, still gets stock's tokens,
+    one warning names the fault, and every later batch of the model is stock."""
+    model, tokenizer = fresh
+    path, name, call = FAULTS[fault]
+    module, owner = path.rsplit(".", 1)
+    calls = inject(monkeypatch, getattr(importlib.import_module(module), owner), name, call)
+    prompts = [tokenizer.encode(p) for p in [PROMPTS[0], SHORT[0], PROMPTS[1], SHORT[1], PROMPTS[2]]]
+    lengths = [24, 3, 30, 1, 26]
+    options = [MTPRequest(True, 2), None, MTPRequest(False), MTPRequest(True, 3), None]
+    if fault == "plain":  # rows at depth 0 decode in pipelined plain steps
+        options = [MTPRequest(False)] * len(prompts)
+    generator, results, uids = mtp_generator(model), {}, []
+    with caplog.at_level(logging.WARNING, logger="mtp_plugin"):
+        for i in range(len(prompts)):  # rows join while others decode
+            uids += insert(generator, prompts[i : i + 1], lengths[i : i + 1], options[i : i + 1])
+            drain(generator, results, steps=2)
+        drain(generator, results)
+    assert len(calls) >= call, f"the fault point {fault} was never reached"
+    alone = [stock_tokens(model, [p], [n])[0] for p, n in zip(prompts, lengths, strict=True)]
+    assert [results[uid] for uid in uids] == alone
+    warnings = [r.getMessage() for r in caplog.records if "batched MTP failed" in r.getMessage()]
+    assert len(warnings) == 1 and f"injected fault in {name}" in warnings[0]
+    later = importlib.import_module("mlx_lm.server").BatchGenerator(model)
+    assert type(later._generation_batch).__name__ == "GenerationBatch"

@@ -15,6 +15,8 @@ import pytest
 from builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
 from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from mtp_plugin.adapters.patching import release
 
 from mtp_plugin.report import inspect_dir
 from mtp_plugin.verify import verify
@@ -169,6 +171,18 @@ def _narrow(head, name):
     return {**head, name: head[name][..., : head[name].shape[-1] - 1]}
 
 
+def _without(head, part):
+    return {k: v for k, v in head.items() if part not in k}
+
+
+def _fewer_outputs(head, name):
+    return {**head, name: head[name][:-8]}
+
+
+def _second_layer(head):
+    return {**head, **{k.replace("layers.0.", "layers.1.", 1): v for k, v in head.items() if k.startswith("layers.0.")}}
+
+
 BROKEN = {  # id: (quantized head?, change, words the problem must contain)
     "norm-shape": (False, lambda h: {**h, "pre_fc_norm_hidden.weight": h["pre_fc_norm_hidden.weight"][:32]},
                    ["mtp.pre_fc_norm_hidden.weight", "(32,)"]),
@@ -179,15 +193,54 @@ BROKEN = {  # id: (quantized head?, change, words the problem must contain)
     "missing-mlp-scales": (True, lambda h: _drop(h, "layers.0.mlp.up_proj.scales"),
                            ["mtp.layers.0.mlp.up_proj.weight", "scales"]),
     "packed-width": (True, lambda h: _narrow(h, "fc.weight"), ["mtp.fc.weight", "fit no quantization"]),
+    # what only loading used to find (inspect said can_run: yes, graft and extract wrote the head)
+    "missing-gate_proj": (False, lambda h: _without(h, "mlp.gate_proj."), ["layers.0.mlp.gate_proj.weight", "missing"]),
+    "missing-up_proj": (False, lambda h: _without(h, "mlp.up_proj."), ["layers.0.mlp.up_proj.weight", "missing"]),
+    "missing-down_proj": (True, lambda h: _without(h, "mlp.down_proj."), ["layers.0.mlp.down_proj.weight", "missing"]),
+    "missing-mlp": (False, lambda h: _without(h, ".mlp."), ["3 of the", "layers.0.mlp.gate_proj.weight", "missing"]),
+    "q_proj-outputs": (False, lambda h: _fewer_outputs(h, "layers.0.self_attn.q_proj.weight"),
+                       ["mtp.layers.0.self_attn.q_proj.weight", "120 outputs, expected 128"]),
+    "o_proj-outputs": (False, lambda h: _fewer_outputs(h, "layers.0.self_attn.o_proj.weight"),
+                       ["mtp.layers.0.self_attn.o_proj.weight", "56 outputs, expected 64"]),
+    "gate_proj-outputs": (True, lambda h: _fewer_outputs(h, "layers.0.mlp.gate_proj.weight"),
+                          ["mtp.layers.0.mlp.gate_proj.weight", "outputs"]),
+    "norm-2d": (False, lambda h: {**h, "layers.0.input_layernorm.weight": h["layers.0.input_layernorm.weight"][None]},
+                ["mtp.layers.0.input_layernorm.weight", "shape (1, 64)", "(64,)"]),
+    "unknown-tensor": (False, lambda h: {**h, "layers.0.self_attn.gate.weight": mx.ones((4, 64))},
+                       ["mtp.layers.0.self_attn.gate.weight", "not a parameter of the head"]),
+    "two-layers": (False, _second_layer, ["layers.1.*", "beyond the 1 of the head module"]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
-def test_inspect_and_loader_agree_on_broken_tensors(tmp_path, tiny, caplog, case):
+def test_inspect_and_loader_agree_on_broken_tensors(tmp_path, tiny, caplog, capsys, case):
     config, _, weights, head, qhead = tiny
     quantized, change, words = BROKEN[case]
     path = save_checkpoint(tmp_path / "m", config, weights, change(qhead if quantized else head), "mtp.safetensors")
-    refused(path, caplog, [str(path / "mtp.safetensors"), *words])
+    message = refused(path, caplog, [str(path / "mtp.safetensors"), *words])
+    assert case != "two-layers" or "config.json declares mtp_num_hidden_layers=1" in message
+    from mtp_plugin.cli import main
+
+    assert main(["inspect", str(path)]) == 1 and "can_run:            NO" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_graft_and_extract_refuse_heads_that_would_not_load(tmp_path, tiny, capsys, case):
+    """graft (a head file as donor) and extract (a checkpoint carrying the head) run the loader's validation: exit 1,
+    the message names the file and the tensor, and nothing is written."""
+    from mtp_plugin.cli import main
+
+    config, _, weights, head, qhead = tiny
+    quantized, change, words = BROKEN[case]
+    broken = change(qhead if quantized else head)
+    recipient = save_checkpoint(tmp_path / "recipient", config, weights)
+    donor = save_checkpoint(tmp_path / "donor", config, weights, broken, "mtp.safetensors")
+    for argv in (["graft", "--recipient", recipient, "--donor", donor / "mtp.safetensors", "--out", tmp_path / "out"],
+                 ["extract", "--hf", donor, "--out", tmp_path / "head.safetensors", "--bits", "16"]):
+        assert main([str(a) for a in argv]) == 1, argv[0]
+        err = capsys.readouterr().err
+        assert all(w in err for w in [str(donor / "mtp.safetensors"), *words]), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["donor", "recipient"]
 
 
 METADATA = {  # id: (where, key, value, words)
@@ -254,10 +307,42 @@ def test_unusable_sidecar_says_what_is_wrong(tmp_path, tiny, caplog, kind):
         words = ["permission denied"]
     message = refused(path, caplog, words)
     assert "converter dropped it" not in message
-    assert all("converter dropped it" not in p for p in inspect_dir(path)["problems"])
+    problems = inspect_dir(path)["problems"]
+    assert all("converter dropped it" not in p and "None" not in p for p in problems), problems
+    assert len(problems) == 1  # what is wrong with the file, and nothing read from a head that is not there
     if kind == "directory":
         shutil.rmtree(sidecar)
         assert lm_load(path).mtp_head is None and "converter dropped it" in inspect_dir(path)["problems"][0]
+
+
+def test_broken_index_and_broken_head_warn_once(tmp_path, tiny, caplog):
+    """A head refused beside an index that cannot be used: one warning, naming both files."""
+    config, _, weights, head, _ = tiny
+    path = save_checkpoint(tmp_path / "m", config, weights, _without(head, "mlp.up_proj."), "mtp.safetensors",
+                           index=True)
+    (path / "model.safetensors.index.json").write_text('{"weight_map": ["a"]}')
+    message = refused(path, caplog, [str(path / "mtp.safetensors"), "layers.0.mlp.up_proj.weight"])
+    assert str(path / "model.safetensors.index.json") in message
+    assert len([r for r in caplog.records if r.name == "mtp_plugin"]) == 1
+
+
+def test_graft_into_a_broken_index(tmp_path, tiny, capsys):
+    """The omlx layout lists its head file in the recipient's index: an index that cannot be read is refused (exit 1,
+    named, with the fix); the default layout never touches the index and grafts."""
+    from mtp_plugin.cli import main
+
+    config, _, weights, head, _ = tiny
+    recipient = save_checkpoint(tmp_path / "recipient", config, weights, index=True)
+    index = recipient / "model.safetensors.index.json"
+    index.write_text('{"weight_map": ["a"]}')
+    donor = save_checkpoint(tmp_path / "donor", config, weights, head, "mtp.safetensors")
+    graft = ["graft", "--recipient", str(recipient), "--donor", str(donor), "--out"]
+    assert main([*graft, str(tmp_path / "omlx"), "--layout", "omlx"]) == 1
+    err = capsys.readouterr().err
+    assert str(index) in err and "weight_map is an array" in err and "--layout mlx-lm" in err
+    assert not (tmp_path / "omlx").exists()
+    assert main([*graft, str(tmp_path / "grafted")]) == 0
+    assert lm_load(tmp_path / "grafted").mtp_head is not None
 
 
 def test_valid_heads_still_load(tmp_path, tiny):
@@ -340,6 +425,53 @@ def test_head_accepting_nothing_is_parked(tmp_path, tiny, caplog, monkeypatch, s
     assert len([r for r in caplog.records if "parked" in r.getMessage()]) == 1
     if not sampled:
         assert mtp == [t for t, _ in generate_step(PROMPT, model, max_tokens=80, enable_mtp=False)]
+
+
+def _untrained_head_on_the_trained_trunk(path):
+    """The bundled trained checkpoint (Hugging Face layout) with a head whose every tensor is zero (zero-centred
+    norms: scale 1): its drafts carry no information about the text, on any runtime version."""
+    shutil.copytree(TINY / "hf", path)
+    weights = dict(mx.load(str(TINY / "hf" / "model.safetensors")))
+    for name, value in weights.items():
+        if name.startswith("mtp."):
+            weights[name] = mx.zeros_like(value)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    return path
+
+
+def test_sampled_generation_parks_drafts_that_cannot_pay(tmp_path):
+    """A sampled generation with the automatic depth decides from counts only: an untrained head on the trained
+    trunk decodes plain after the probe cycles, a seed still
+    fixes the tokens (the same twice)."""
+    from mtp_plugin.controller import SampledDepth
+    from mtp_plugin.decoding import DEFAULT_DEPTH
+
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    runs = []
+    for path in (_untrained_head_on_the_trained_trunk(tmp_path / "random-head"), TINY / "hf"):
+        model, tokens = lm_load(path), []
+        prompt = mx.array(load_tokenizer(path).encode("def read_config(path):\n    with open(path) as f:\n"))
+        for _ in range(2):
+            mx.random.seed(11)
+            tokens.append([t for t, _ in generate_step(prompt, model, max_tokens=72, sampler=make_sampler(0.8))])
+        runs.append((tokens, model.mtp_head.stats))
+    (random_tokens, random_stats), (trained_tokens, trained_stats) = runs
+    probe = SampledDepth(DEFAULT_DEPTH, 0.0).probe
+    assert random_stats.cycles in (probe, probe + 1) and random_stats.plain > 0, random_stats  # asked one ahead
+    assert random_tokens[0] == random_tokens[1] and trained_tokens[0] == trained_tokens[1]
+    if trained_stats.plain:  # the trained head may park too where its drafts do not pay: not for lack of counting
+        assert trained_stats.accepted / trained_stats.cycles > random_stats.accepted / random_stats.cycles
+
+
+@pytest.mark.skipif(release("mlx-vlm") < (0, 7), reason="mlx-vlm 0.6 loads no Qwen3.5 checkpoint without vision")
+def test_sampled_generation_parks_drafts_that_cannot_pay_in_mlx_vlm(tmp_path):
+    """The same in mlx-vlm, with a seeded request (mlx-vlm's position-keyed sampler)."""
+    generate_step = importlib.import_module("mlx_vlm.generate").generate_step
+    model = vlm_load(_untrained_head_on_the_trained_trunk(tmp_path / "random-head"))
+    prompt = mx.array([load_tokenizer(TINY / "hf").encode("def read_config(path):\n    with open(path) as f:\n")])
+    runs = [[t for t, _ in generate_step(prompt, model, None, None, max_tokens=72, temperature=0.8, seed=3)]
+            for _ in range(2)]
+    assert runs[0] == runs[1] and model.mtp_head.stats.plain > 0, model.mtp_head.stats
 
 
 # --- norm conventions from the evidence a file carries --------------------------------------------------

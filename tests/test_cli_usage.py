@@ -67,6 +67,32 @@ def test_commands_on_a_directory_without_a_model(tmp_path, capsys, command, dire
     assert not (tmp_path / "out").exists() and not (tmp_path / "head.safetensors").exists()
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("text", ["{oops", "[1, 2]"], ids=["not-json", "not-an-object"])
+def test_commands_name_an_invalid_config_json(model, tmp_path, capsys, command, text):
+    """An unreadable checkpoint (exit 1): the message names config.json and the fix, before any runtime reads it."""
+    (model / "config.json").write_text(text)
+    assert exit_code(model_args(command, model, tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert f"mtp-plugin: {model / 'config.json'}: " in err and "restore the file" in err, err
+    assert "warm-up" not in err and "trunk passes" not in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "head.safetensors").exists()
+
+
+@pytest.mark.parametrize("donor", ["missing", "missing.safetensors", "empty-directory"])
+def test_graft_refuses_a_donor_that_is_not_a_model(tmp_path, capsys, donor):
+    """A usage error (exit 2), as for the recipient: a donor path that does not exist, or a directory without
+    config.json; refused before anything else is looked at, nothing is written."""
+    path = tmp_path / donor
+    if donor == "empty-directory":
+        path.mkdir()
+    assert exit_code(["graft", "--recipient", MLX4, "--donor", path, "--out", tmp_path / "out"]) == 2
+    err = capsys.readouterr().err
+    assert f"--donor {path}: " in err
+    assert ("without config.json" if donor == "empty-directory" else "no such file or directory") in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("group_size", ["0", "-64", "16", "256"])
 def test_extract_refuses_unsupported_group_sizes(tmp_path, capsys, group_size):
     out = tmp_path / "head.safetensors"

@@ -170,3 +170,107 @@ def test_other_model_types_untouched(tmp_path):
     np.testing.assert_array_equal(logits(patched), logits(stock))
     stock_generate_step = importlib.import_module("mlx_lm.generate").generate_step
     assert generated == [t for t, _ in stock_generate_step(TOKENS[0], stock, max_tokens=12)]
+
+
+# --- a model.safetensors.index.json that is not what it should be: loaded as stock loads it ---------------------
+
+INDEXES = {  # id: the index's new text, or how to change its weight_map
+    "weight_map-array": '{"weight_map": ["a"]}',
+    "weight_map-null": '{"weight_map": null}',
+    "null-entry": lambda weight_map: {**weight_map, next(iter(weight_map)): None},
+    "number-entry": lambda weight_map: {**weight_map, next(iter(weight_map)): 3},
+    "not-json": "{not json",
+    "array": "[1, 2]",
+    "directory": None,
+}
+
+
+def break_index(path, case):
+    index = path / "model.safetensors.index.json"
+    change = INDEXES[case]
+    if change is None:
+        index.unlink()
+        index.mkdir()
+    elif callable(change):
+        index.write_text(json.dumps({"weight_map": change(json.loads(index.read_text())["weight_map"])}))
+    else:
+        index.write_text(change)
+    return index
+
+
+@pytest.mark.parametrize("head_file", ["mtp.safetensors", "model-00002-of-00002.safetensors"])
+@pytest.mark.parametrize("case", sorted(INDEXES))
+def test_broken_index_loads_as_stock_with_the_head(tmp_path, caplog, capsys, case, head_file):
+    """mlx-lm never reads the index: the plugin loads what stock loads, keeps the head (found by file name, in a
+    sidecar or a shard) and warns once naming the index; inspect says the same, without a traceback."""
+    from mtp_plugin.cli import main
+    from mtp_plugin.report import inspect_dir
+
+    config = config_for("qwen3_5")
+    model = build_model(config)
+    head = build_head(model, config)
+    plain = save_checkpoint(tmp_path / "plain", config, trunk_weights(model), index=True)
+    path = save_checkpoint(tmp_path / "m", config, trunk_weights(model), head, head_file, index=True)
+    index = break_index(path, case)
+    mtp_plugin.unpatch()
+    lm_load(path)  # stock mlx-lm loads it (mlx-lm < 0.32 shifts the norms of a shard holding mtp.* twice)
+    mtp_plugin.patch()
+    caplog.clear()
+    loaded = lm_load(path)
+    np.testing.assert_array_equal(logits(loaded), logits(lm_load(plain)))
+    assert_head_kept(loaded, head)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "mtp_plugin" and r.levelname == "WARNING"]
+    assert len(warnings) == 1 and str(index) in warnings[0] and "repair the index or delete it" in warnings[0]
+    report = inspect_dir(path)
+    assert report["can_run"] and report["problems"] == [] and str(index) in report["warnings"][0]
+    capsys.readouterr()
+    assert main(["inspect", str(path)]) == 0
+    assert f"warning: {index}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case", sorted(INDEXES))
+def test_broken_index_in_mlx_vlm_as_stock(tmp_path, case):
+    """mlx-vlm reads the index itself: where stock loads, the plugin loads with the head; where stock raises, the
+    plugin raises stock's own error (nothing of the plugin's comes first)."""
+    config = config_for("qwen3_5", vision=True)
+    model = build_model(config, "mlx_vlm")
+    head = build_head(model, config)
+    plain = save_checkpoint(tmp_path / "plain", config, trunk_weights(model), index=True)
+    path = save_checkpoint(tmp_path / "m", config, trunk_weights(model), head, "mtp.safetensors", index=True)
+    break_index(path, case)
+
+    def outcome():
+        try:
+            return vlm_load(path)
+        except Exception as e:  # stock's own error, compared below
+            return e
+
+    mtp_plugin.unpatch()
+    stock = outcome()
+    mtp_plugin.patch()
+    patched = outcome()
+    if isinstance(stock, Exception):
+        assert (type(patched), str(patched)) == (type(stock), str(stock))
+    else:
+        np.testing.assert_array_equal(logits(patched), logits(vlm_load(plain)))
+        assert_head_kept(patched, head)
+
+
+def test_other_model_types_ignore_a_broken_index(tmp_path, caplog):
+    """A model type no plugin handles: its files are not even read by the plugin, whatever its index holds."""
+    from mlx_lm.utils import _get_classes
+
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 256,
+              "tie_word_embeddings": False}
+    model_class, args_class = _get_classes(config)
+    path = save_checkpoint(tmp_path / "llama", config, trunk_weights(model_class(args_class.from_dict(config))),
+                           index=True)
+    break_index(path, "weight_map-array")
+    mtp_plugin.unpatch()
+    expected = logits(lm_load(path))
+    mtp_plugin.patch()
+    caplog.clear()
+    patched = lm_load(path)
+    assert patched.mtp_head is None and not [r for r in caplog.records if r.name == "mtp_plugin"]
+    np.testing.assert_array_equal(logits(patched), expected)

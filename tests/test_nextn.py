@@ -261,3 +261,26 @@ def test_inspect_names_the_declaring_key(tmp_path, capsys):
     plain = save_mlx(tmp_path, "glm4_moe", "sidecar")[0]
     assert main(["inspect", str(plain), "--json"]) == 1
     assert "declares num_nextn_predict_layers=1 but no head" in json.loads(capsys.readouterr().out)["problems"][0]
+
+
+@pytest.mark.parametrize("case", ["missing-shared-expert", "o_proj-outputs"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_inspect_and_loader_agree_on_the_layers_structure(tmp_path, kind, case, caplog, capsys):
+    """The one validation needs nothing from this family but its head module: an MLP tensor missing or an output
+    width wrong is refused by the loader and by inspect alike, naming the tensor."""
+    from mtp_plugin.cli import main
+
+    _, path, head = save_mlx(tmp_path, kind, "sidecar")
+    name = "layers.0.mlp.shared_experts.down_proj.weight" if case.startswith("missing") else \
+        "layers.0.self_attn.o_proj.weight"
+    changed = {k: v for k, v in head.items() if k != name} if case.startswith("missing") else \
+        {**head, name: head[name][:-8]}
+    mx.save_safetensors(str(path / "mtp.safetensors"), {f"mtp.{k}": v for k, v in changed.items()},
+                        metadata={"format": "mlx"})
+    caplog.clear()
+    model = load_model(path)[0]
+    assert model.mtp_head is None and name in caplog.text and "MTP head ignored" in caplog.text
+    capsys.readouterr()
+    assert main(["inspect", str(path), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["can_run"] and any(name in p for p in report["problems"]), report["problems"]

@@ -53,8 +53,8 @@ def exact_marginals(model, temp, top_k):
     return joint12.sum(0), (joint12.reshape(-1, 1) * p3).sum(0)
 
 
-def chi_square_p(samples, expected):
-    observed = np.bincount(samples, minlength=VOCAB).astype(float)
+def chi_square_p(samples, expected, vocab=VOCAB):
+    observed = np.bincount(samples, minlength=vocab).astype(float)
     expected = expected.astype(np.float64)
     expected = expected / expected.sum() * len(samples)
     keep = expected >= 5
@@ -131,3 +131,44 @@ def test_bad_depth_is_refused_when_sampling(model, depth):
     generate_step = importlib.import_module("mlx_lm.generate").generate_step
     with pytest.raises(ValueError, match="mtp_depth"):
         generate_step(mx.array(PROMPT), model, max_tokens=4, mtp_depth=depth, sampler=make_sampler(temp=0.9))
+
+
+def test_walk_sampling_matches_processed_distributions():
+    """A verify pass read position by position (``decoding.Walk``: with logits processors) is exact speculative
+    sampling: the first token is drawn from the processed p0, the token after an accepted draft from p1, the bonus
+    token after two from p2, whatever q the drafts came from (a head whose output is not finite: every draft
+    rejected, the first token still from p0)."""
+    from mtp_plugin.decoding import Sampling, Walk
+
+    rng = np.random.default_rng(0)
+    vocab, trials = 6, 3000
+    logits = mx.array(rng.normal(size=(3, vocab)), dtype=mx.float32)
+    bias = mx.array(rng.normal(size=(vocab,)), dtype=mx.float32)
+
+    def processor(tokens, row):
+        return row + bias
+
+    q = rng.dirichlet(np.ones(vocab), size=2)
+    p = np.array(mx.softmax(logits + bias, axis=-1))
+    sampling, history = Sampling(1.0), mx.array([1, 2], dtype=mx.uint32)
+    mx.random.seed(5)
+    seen = {0: [], 1: [], 2: [], "nonfinite": []}
+    for trial in range(trials):
+        drafts = [rng.choice(vocab, p=q[0]), rng.choice(vocab, p=q[1])]
+        inputs = mx.array([3, *drafts], dtype=mx.uint32)
+        finite = mx.array(trial % 10 != 0)
+        walk = Walk(logits, inputs, history, [processor], sampling, mx.array(q, dtype=mx.float32), finite)
+        for position in range(3):
+            walk.process()
+            token, ok = walk.read()
+            if trial % 10 == 0:
+                seen["nonfinite"].append(token)
+                assert not ok
+                break
+            seen[position].append(token)
+            if not ok:
+                break
+            assert token == drafts[position]
+    for position in range(3):
+        assert chi_square_p(np.array(seen[position]), p[position], vocab) > 1e-3, position
+    assert chi_square_p(np.array(seen["nonfinite"]), p[0], vocab) > 1e-3

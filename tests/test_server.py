@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from console_runs import MLX4, environment
+from console_runs import MLX4, REPO, environment
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mtp_plugin.adapters.patching import release
 
@@ -177,6 +177,48 @@ def test_no_mtp_flag_and_python_m_entry(workdir):
     assert text_of(off) == text_of(on)
 
 
+SHORT_REQUESTS = [{"prompt": "x", "max_tokens": 4, "enable_mtp": False}, {"prompt": "x", "max_tokens": 1},
+                  {"prompt": PROMPTS[0], "max_tokens": 8}, {"prompt": "import os", "max_tokens": 4},
+                  {"prompt": "import os", "max_tokens": 3, "mtp_depth": 3}]
+
+
+@pytest.mark.parametrize("flags", [["--plugin", "mtp"], ["--no-mtp"]], ids=["plugin-mtp", "no-mtp"])
+def test_short_prompts_on_a_fresh_server(workdir, flags):
+    """1- and 2-token prompts that finish before the head has a pair (they once killed the generation thread),
+    first on a fresh ``python -m mlx_lm.server`` (the module run as ``__main__``, the plugin active there too),
+    then after ordinary requests, then a prompt that repeats a cached sequence (an earlier prompt and its
+    completion: stock mlx-lm's thread dies there, "empty prompt"): every answer is the same server's with MTP off,
+    and the server lives."""
+    s = Server([sys.executable, "-m", "mlx_lm.server", "--model", str(MLX4), *flags], workdir, environment())
+    try:
+        answers = [s.post("/v1/completions", completion(**body)) for body in SHORT_REQUESTS]
+        plain = [s.post("/v1/completions", completion(**{**body, "enable_mtp": False})) for body in SHORT_REQUESTS]
+        _, first = s.post("/v1/completions", completion(PROMPTS[3], max_tokens=1))
+        repeats = [completion(PROMPTS[3], max_tokens=4), completion(PROMPTS[3] + text_of(first), max_tokens=4)]
+        repeated = [s.post("/v1/completions", {**body, "enable_mtp": enabled}) for body in repeats
+                    for enabled in (True, False)]
+        after = s.post("/v1/completions", completion(PROMPTS[1], enable_mtp=True, mtp_depth=2))
+    finally:
+        s.stop()
+    for (status, answer), (_, stock), body in zip(answers, plain, SHORT_REQUESTS, strict=True):
+        assert status == 200, answer
+        assert text_of(answer) == text_of(stock) and answer["usage"]["completion_tokens"] == body["max_tokens"]
+        assert "timings" in answer  # the plugin answered
+    assert [status for status, _ in repeated] == [200] * 4, repeated
+    assert text_of(repeated[0][1]) == text_of(repeated[1][1]) and text_of(repeated[2][1]) == text_of(repeated[3][1])
+    assert after[0] == 200 and after[1]["timings"]["draft_n"] > 0
+
+
+def test_soak_of_every_request_shape():
+    """``benchmarks/server_soak.py`` (as in the README; 40 requests here, 200 in the dated results): 1- and
+    2-token prompts, max_tokens 1-64, MTP on, off and per request, streamed, sampled with a seed, alone and from 8
+    clients: no request fails and every greedy answer is stock's."""
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "server_soak.py"), "--requests", "40"],
+                         capture_output=True, text=True, env=environment(), timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "plugin faults: 0" in out.stdout and "plugin: 0 failed, 0 greedy answers differ" in out.stdout
+
+
 def test_model_without_head_is_served_as_stock(workdir, headless):
     answers = []
     for env in (environment(), environment(MTP_PLUGIN_DISABLE="1")):
@@ -235,6 +277,25 @@ def test_dead_generation_thread_raises_mlx_lms_own_error(call):
     rg.join()
     with pytest.raises(RuntimeError, match="generation thread died"):
         call(rg)
+
+
+def test_only_the_servers_prompt_cache_keeps_a_token_to_run():
+    """A prompt equal to a cached sequence: the server's own prompt cache (the one its ``ResponseGenerator`` holds)
+    answers with the cache of all but its last token and that token to run (stock's generation thread dies on an
+    empty remainder); any other ``LRUPromptCache`` answers as stock (mlx-lm's own suite tests the class so)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    server = importlib.import_module("mlx_lm.server")
+    own, serving = server.LRUPromptCache(), server.LRUPromptCache()
+    rg = server.ResponseGenerator(FailingModelProvider(), serving)
+    rg.join()
+    for cache in (own, serving):
+        kv = KVCache()
+        kv.update_and_fetch(mx.zeros((1, 1, 2, 4)), mx.zeros((1, 1, 2, 4)))  # the cache of tokens 1, 2
+        cache.insert_cache("model", [1, 2], [kv])
+    assert own.fetch_nearest_cache("model", [1, 2])[1] == []
+    assert serving.fetch_nearest_cache("model", [1, 2])[1][-1:] == [2]  # at least the last token is run
 
 
 def outcome(server: Server, path: str, body: dict) -> tuple:

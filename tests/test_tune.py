@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from mtp_plugin import draft_vocab, tuning
+from mtp_plugin import draft_vocab, measure, tuning
 from mtp_plugin.bench import bench, efficiency, render
 from mtp_plugin.cli import main
 from mtp_plugin.tune import token_counts
@@ -105,8 +105,8 @@ def test_efficiency_from_measured_parts():
 def test_bench_report(model_dir, capsys):
     report = bench(model_dir, depths=1, max_tokens=6, repeats=1, dtype="float32")
     progress = capsys.readouterr().err  # the phases, on stderr
-    phases = ["warm-up", "decode", "component costs"] + [f"{r['name']}: decode" for r in report["references"]
-                                                         if not isinstance(r, str)]
+    phases = ["warm-up", "decode", "component costs", "rollback ways"]
+    phases += [f"{r['name']}: decode" for r in report["references"] if not isinstance(r, str)]
     assert all(f"bench: {phase}" in progress for phase in phases), progress
     names = [r["name"] for r in report["candidates"]]
     assert names == ["plain", "depth 1", "adaptive"]
@@ -117,9 +117,29 @@ def test_bench_report(model_dir, capsys):
     assert set(report["costs"]["draft_subset"]) == {1} and report["costs"]["subset_size"] == 256  # cost only: V/8
     assert not report["costs"]["subset_tuned"] and report["costs"]["host"][1] > 0
     assert len(report["references"]) == 1  # mlx-vlm is installed: its native MTP, or why not
+    ways = report["rollback"]
+    assert ways["depth"] == 1 and ways["auto"] == "capture"  # the CPU: one-call capture
+    assert all(ways[way]["tokens_per_second"] > 0 and ways[way]["host"] > 0 for way in ("capture", "replay"))
+    adaptive = report["adaptive"]["depths"]
+    assert sum(d["cycles"] for d in adaptive.values()) > 0 and report["adaptive"]["rounds"] >= 1
+    assert report["costs"]["host"][0] > 0 and report["costs"]["layers"] > 0
     text = render(report)
     assert "t_verify(k)/t(1)" in text and "mlx-vlm" in text and "host ms per cycle" in text
+    assert "adaptive spent (cycles/tokens per depth" in text and "adaptive's estimates at the end" in text
+    assert "a plain step's graph" in text and f"prompts of {report['prompt_tokens'][0]}," in text
+    assert "rollback at depth 1 (auto takes capture here): capture" in text and "of capture)" in text
     assert "draft vocabulary of 256 tokens (none tuned: cost only)" in text and "plain decoding's own loop" in text
+
+
+def test_long_context_prompts(model_dir, capsys):
+    """``bench --prompt-tokens N``: each prompt preceded by earlier standard-library source, N tokens in all, its own
+    tokens last; a prompt already that long is kept."""
+    prompts = [[7, 8, 9], list(range(50))]
+    longer = measure.with_context(prompts, 40, lambda text: [ord(c) for c in text])
+    assert [len(p) for p in longer] == [40, 50]
+    assert longer[0][-3:] == [7, 8, 9] and longer[1] == prompts[1]
+    assert main(["bench", str(model_dir), "--prompt-tokens", "-1"]) == 2
+    assert "--prompt-tokens must be >= 0, got -1" in capsys.readouterr().err
 
 
 def test_vocab_text_token_counts():

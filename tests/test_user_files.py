@@ -116,6 +116,27 @@ def test_graft_output_has_the_users_modes(recipient, tmp_path, umask):
     assert mode(out) == 0o777 & ~umask and mode(out / "mtp.safetensors") == 0o666 & ~umask
 
 
+def test_graft_across_filesystems_says_it_copied(tmp_path, capsys):
+    """A recipient on another filesystem (tmpfs /dev/shm) cannot be hard-linked: its files are copied, and the
+    summary says so."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev or not os.access(shm, os.W_OK):
+        pytest.skip("no second filesystem to graft across")
+    elsewhere = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        recipient = elsewhere / "recipient"
+        shutil.copytree(MLX4, recipient, ignore=shutil.ignore_patterns("mtp.safetensors"))
+        before = snapshot(recipient)
+        out = tmp_path / "grafted"
+        assert main(["graft", "--recipient", str(recipient), "--donor", str(HF), "--out", str(out)]) == 0
+        said = capsys.readouterr().out
+        assert "recipient files copied" in said and "hard-linked" not in said, said
+        assert all(p.stat().st_nlink == 1 for p in out.rglob("*") if p.is_file())
+        assert snapshot(recipient) == before
+    finally:
+        shutil.rmtree(elsewhere)
+
+
 SIGNALLED = """
 import os, signal, sys
 from mtp_plugin.cli import main

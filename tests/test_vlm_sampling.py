@@ -70,14 +70,14 @@ def test_mtp_sampling_matches_mlx_vlm_sampler(model, options, seeded, depth):
     assert same_distribution_p(stock[1], mtp[1]) > 1e-3
 
 
-SEEDED = [{"temperature": 0.9}, {"temperature": 0.8, "top_p": 0.9}] + \
+SEEDED = [{"temperature": 0.9}, {"temperature": 0.8, "top_p": 0.9}, {"temperature": 0.9, "repetition_penalty": 1.3}] + \
     ([{"temperature": 0.8, "top_p": 0.9, "top_k": 10}] if release("mlx-vlm") >= (0, 7) else [])
 
 
 def test_seeded_request_gets_mlx_vlms_own_tokens(model):
     """mlx-vlm keys a seeded request's draws by token position: with MTP the same seed gives mlx-vlm's own
     tokens, at every depth and adaptive (each emitted token is mlx-vlm's draw there; a draft is accepted iff it
-    equals it), for every seeded sampler."""
+    equals it), for every seeded sampler, also with a logits processor (the verify pass read position by position)."""
     generate_step = importlib.import_module("mlx_vlm.generate").generate_step
     accepted = 0
     for options in SEEDED:

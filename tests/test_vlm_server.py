@@ -5,6 +5,7 @@
 import base64
 import functools
 import importlib.util
+import logging
 import shutil
 import subprocess
 import sys
@@ -171,6 +172,38 @@ def test_response_format_and_failures_stay_with_their_request(checkpoint):
     assert [(r.uid, r.token, r.finish_reason) for step in steps for r in step] == [
         (1, 5, None), (2, 5, None), (1, None, "stop"), (2, 6, None), (2, 7, "length")]
     assert isinstance(answers[1].get_nowait(), RuntimeError) and answers[2].empty() and not lanes.has_work
+
+
+def test_a_lane_that_cannot_be_built_leaves_the_request_to_the_batch(checkpoint, monkeypatch, caplog):
+    """A fault of the plugin's while a request's lane is built (here in its decoding options): the request decodes
+    in mlx-vlm's own batch, with mlx-vlm's tokens, and the warning names the fault."""
+    from mlx_vlm import load
+    from mlx_vlm.server.generation import GenerationArguments
+    from mtp_plugin.adapters import mlx_vlm_server
+    from mtp_plugin.adapters.mlx_lm_server import MTPRequest
+
+    model, processor = load(str(checkpoint))
+    batch_class = importlib.import_module("mlx_vlm.generate.ar").BatchGenerator
+    prompt = processor.tokenizer.encode(TEXT)
+    fields = model.get_input_embeddings(mx.array([prompt]), None).to_dict()
+    keywords = {k: v for k, v in fields.items() if v is not None}  # as the server embeds a prompt
+
+    def decode(generator, request=None) -> list[int]:
+        mlx_vlm_server._serving.current = (None, request)
+        (uid,) = generator.insert([prompt], max_tokens=8, prompt_kwargs=[keywords])
+        tokens = []
+        while generator.has_work:
+            tokens += [r.token for r in generator.next()[1] if r.uid == uid and r.token is not None]
+        return tokens
+
+    stock = decode(batch_class(model.language_model, processor))
+    monkeypatch.setattr(mlx_vlm_server, "decoding_options", lambda *a, **k: 1 / 0)
+    lanes = mlx_vlm_server.Lanes(batch_class(model.language_model, processor), model, {})
+    request = type("Request", (), {"args": GenerationArguments(), "rqueue": Queue()})()
+    request.args.mtp = MTPRequest(True, 2)
+    with caplog.at_level(logging.WARNING, logger="mtp_plugin"):
+        assert decode(lanes, request) == stock
+    assert not lanes.lanes and "ZeroDivisionError" in caplog.text
 
 
 def test_concurrent_requests_as_alone(servers):

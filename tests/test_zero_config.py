@@ -72,6 +72,16 @@ def test_python_m_mlx_lm_generate():
     assert generation.text == console(MLX4, disabled=True).text
 
 
+def test_python_m_mlx_lm_dot_generate():
+    """``python -m mlx_lm.generate`` (mlx-lm's deprecated spelling, still common) runs the module as ``__main__``:
+    the plugin is active there too, its flags included, and the text is stock's."""
+    out = run([sys.executable, "-m", "mlx_lm.generate", *generate_args(MLX4, "--mtp-depth", "2")])
+    assert "deprecated" in out.stdout + out.stderr  # mlx-lm's own main block ran
+    generation = Generation.parse(out)
+    assert_decodes_with_mtp(generation, depth=2)
+    assert generation.text == console(MLX4, disabled=True).text
+
+
 def test_python_api_without_importing_the_plugin():
     generation = Generation.parse(run([sys.executable, "-c", API, MLX4, PROMPT, MAX_TOKENS]))
     assert_decodes_with_mtp(generation)

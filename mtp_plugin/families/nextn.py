@@ -153,37 +153,3 @@ def mtp_stored_norm_convention(config, shapes, pytorch):
     if config.get("model_type") not in MODEL_TYPES:
         return None
     return ABSOLUTE, "a DeepSeek-V3-style checkpoint (absolute RMSNorm scales in every layout)"
-
-
-@hookimpl
-def mtp_required_tensors(config):
-    """Norms, eh_proj and the attention projections every layout keeps (MLA's ``kv_b_proj`` may be split)."""
-    if config.get("model_type") not in MODEL_TYPES:
-        return None
-    text = text_config(config)
-    names = ["kv_a_proj_with_mqa", "o_proj"] if "kv_lora_rank" in text else ["q_proj", "k_proj", "v_proj", "o_proj"]
-    return ["fc.weight", *mtp_norm_roles(config), *(f"layers.0.self_attn.{n}.weight" for n in names)]
-
-
-@hookimpl
-def mtp_head_in_features(config):
-    """Input widths from the config: GQA or MLA attention, dense MLP, routed and shared experts."""
-    if config.get("model_type") not in MODEL_TYPES:
-        return None
-    text = config | text_config(config)
-    hidden, heads = text["hidden_size"], text["num_attention_heads"]
-    moe, shared = text.get("moe_intermediate_size", 0), text.get("n_shared_experts") or 0
-    if "kv_lora_rank" in text:
-        attention = {"q_proj": hidden, "q_a_proj": hidden, "q_b_proj": text.get("q_lora_rank") or 0,
-                     "kv_a_proj_with_mqa": hidden, "kv_b_proj": text["kv_lora_rank"],
-                     "embed_q": text["qk_nope_head_dim"], "unembed_out": text["kv_lora_rank"],
-                     "o_proj": heads * text["v_head_dim"]}
-    else:
-        head_dim = text.get("head_dim") or hidden // heads
-        attention = {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "o_proj": heads * head_dim}
-    mlp = {"gate_proj": hidden, "up_proj": hidden, "down_proj": text.get("intermediate_size", 0),
-           "switch_mlp.gate_proj": hidden, "switch_mlp.up_proj": hidden, "switch_mlp.down_proj": moe,
-           "shared_experts.gate_proj": hidden, "shared_experts.up_proj": hidden,
-           "shared_experts.down_proj": moe * shared}
-    return {"fc": 2 * hidden, **{f"layers.0.self_attn.{k}": v for k, v in attention.items()},
-            **{f"layers.0.mlp.{k}": v for k, v in mlp.items()}}

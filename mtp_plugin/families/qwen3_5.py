@@ -121,35 +121,3 @@ def mtp_stored_norm_convention(config, shapes, pytorch):
     if any(n.startswith(HF_STACK) or (n.endswith("conv1d.weight") and shape[-1] != 1) for n, shape in shapes.items()):
         return ZERO_CENTRED, "an original (Hugging Face layout) checkpoint"
     return ABSOLUTE, "an MLX conversion"
-
-
-@hookimpl
-def mtp_required_tensors(config):
-    """Norms, fc and attention; the MLP is checked by loading (dense, per-expert or stacked forms)."""
-    if config.get("model_type") not in MODEL_TYPES:
-        return None
-    attention = [f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"]
-    return ["fc.weight", "norm.weight", *mtp_norm_roles(config), *attention]
-
-
-@hookimpl
-def mtp_head_in_features(config):
-    """Input widths from the text config (dense MLP, routed experts, shared expert and router)."""
-    if config.get("model_type") not in MODEL_TYPES:
-        return None
-    text = config.get("text_config") or config
-    hidden = text["hidden_size"]
-    heads, head_dim = text["num_attention_heads"], text.get("head_dim") or hidden // text["num_attention_heads"]
-    attention = {f"layers.0.self_attn.{p}_proj": hidden for p in "qkv"}
-    mlp = {f"layers.0.mlp.{p}": hidden for p in ("gate_proj", "up_proj", "switch_mlp.gate_proj",
-                                                   "switch_mlp.up_proj", "shared_expert.gate_proj",
-                                                   "shared_expert.up_proj", "gate", "shared_expert_gate")}
-    return {
-        "fc": 2 * hidden,
-        **attention,
-        "layers.0.self_attn.o_proj": heads * head_dim,
-        **mlp,
-        "layers.0.mlp.down_proj": text.get("intermediate_size", 0),
-        "layers.0.mlp.switch_mlp.down_proj": text.get("moe_intermediate_size", 0),
-        "layers.0.mlp.shared_expert.down_proj": text.get("shared_expert_intermediate_size", 0),
-    }
