@@ -7,9 +7,9 @@ wrong norm convention makes acceptance collapse without any error (seed 003), so
 is measured and the best reported; ``--write`` records it in config.json.
 
 Norm readings swept: ``decided`` (the loader's, with the norms its files leave open settled on the text as a
-generation with it as its prompt settles them: ``settle.on_prompt``), ``per_tensor`` (every norm's reading searched
-per tensor on the text, evidence-decided norms included: ``settle.search`` from ``decided``), ``stored_absolute``
-and ``all_zero_centred``.
+generation with it as its prompt settles them: ``settle.on_prompt``), ``stored_absolute``, ``all_zero_centred`` and
+``per_tensor`` (every norm's reading searched per tensor on the text, evidence-decided norms included:
+``settle.search`` from ``decided``; a wrongly declared norm among right ones). On a tie the reading named first wins.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from .usage import UsageError
 MAX_TOKENS = 1024
 MIN_TOKENS = 2  # a draft of token t+2 from (h[t], x[t+1]) needs two tokens
 MIN_ACCEPTANCE = 0.05  # below this the head's drafts are almost never accepted
-SEARCH_POSITIONS = 512  # positions of the text the per-tensor search scores (log-likelihoods (N, V) in float32)
 
 
 @dataclass(frozen=True)
@@ -61,8 +60,8 @@ def _norm_sets(loaded, score) -> tuple[dict[str, dict[str, str]], dict[str, dict
     candidates = {n: settle.readings(stored[n]) for n in names}
     decided = {n: loaded.norms[n].convention for n in names}
     per_tensor = decided if score is None else settle.search(loaded.module, candidates, decided, score)[0]
-    sets = {"decided": decided, "per_tensor": per_tensor, "stored_absolute": dict.fromkeys(names, ABSOLUTE),
-            "all_zero_centred": dict.fromkeys(names, ZERO_CENTRED)}
+    sets = {"decided": decided, "stored_absolute": dict.fromkeys(names, ABSOLUTE),
+            "all_zero_centred": dict.fromkeys(names, ZERO_CENTRED), "per_tensor": per_tensor}  # ties: the first
     return sets, candidates
 
 
@@ -92,7 +91,7 @@ def sweep(model, tokens: mx.array) -> tuple[list[Candidate], dict[str, dict[str,
     results = []
     try:
         score = None if tokens.size - 2 < settle.MIN_POSITIONS else settle.prompt_score(
-            head, trunks[own], hidden[own][:, :-1], tokens[1:], head_cache, SEARCH_POSITIONS)
+            head, trunks[own], hidden[own][:, :-1], tokens[1:], head_cache)
         norm_sets, candidates = _norm_sets(loaded, score)
         for norms, conventions in norm_sets.items():
             head.load_weights([(n, candidates[n][c]) for n, c in conventions.items()], strict=False)

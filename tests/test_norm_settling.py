@@ -13,7 +13,6 @@ import shutil
 
 import mlx.core as mx
 import pytest
-from builders import to_float32
 from mlx_lm import load
 from mtp_plugin.adapters.mlx_lm_server import MTPRequest
 from norm_cases import code_prompt, hf_sidecar, mixed_sidecar
@@ -23,8 +22,8 @@ from mtp_plugin import settle
 from mtp_plugin.verify import verify
 
 BUILDERS = {"mixed": mixed_sidecar, "hf": hf_sidecar}
-PROMPT = code_prompt("textwrap", 3000, 900)  # ~300 tokens: more than settle.MAX_POSITIONS pairs
-SHORT = code_prompt("textwrap", 3000, 60)  # under settle.MIN_POSITIONS pairs
+PROMPT = code_prompt("textwrap", 3000, 400)  # 129 tokens: 127 scored positions
+SHORT = code_prompt("textwrap", 3000, 60)  # 23 tokens: under settle.MIN_POSITIONS scored positions
 MAX_TOKENS = 32
 
 
@@ -54,28 +53,39 @@ def conventions(model):
     return {n: d.convention for n, d in model.mtp_head.norms.items()}
 
 
+# Depth-2 acceptance on PROMPT with MAX_TOKENS tokens (4-bit trunk, CPU) that the declared twin reaches and the open
+# head must reach once settled. Measured, declared twin = settled open head: mixed 0.412 (mlx-lm 0.32) / 0.205
+# (mlx-lm 0.31), hf 0.316 (both). Before settling was per tensor (all open norms decided together on 64
+# pseudo-random tokens) the open heads reached 0.034 and 0.275 (mlx-lm 0.32).
+ACCEPTANCE = {"mixed": 0.20, "hf": 0.30}
+
+
 @pytest.mark.parametrize("case", sorted(BUILDERS))
 def test_open_norms_settle_per_tensor_at_the_first_prompt(cases, case):
     path, declared_path, truth = cases[case]
     model, tokenizer = load(str(path))
-    assert model.mtp_head.module.open_norms is not None
-    assert "read as stored until a prompt settles them" in model.mtp_head.summary()
+    summary = model.mtp_head.summary()
     tokens, stats = decode(model, tokenizer, PROMPT)
+    declared, _ = load(str(declared_path))
+    assert declared.mtp_head.module.open_norms is None  # its files decide every norm: nothing to settle
+    _, reference = decode(declared, tokenizer, PROMPT)
+    assert conventions(declared) == truth
+    assert stats.acceptance >= ACCEPTANCE[case] and reference.acceptance >= ACCEPTANCE[case]
+    assert abs(stats.acceptance - reference.acceptance) <= 0.02, (stats.acceptance, reference.acceptance)
     assert conventions(model) == truth
     assert all(d.settled for d in model.mtp_head.norms.values())
     assert model.mtp_head.module.open_norms is None
+    assert "read as stored until a prompt settles them" in summary
     assert tokens == decode(model, tokenizer, PROMPT, enable_mtp=False)[0]
-    declared, _ = load(str(declared_path))
-    _, reference = decode(declared, tokenizer, PROMPT)
-    assert abs(stats.acceptance - reference.acceptance) < 0.05, (stats.acceptance, reference.acceptance)
 
 
 def test_a_short_prompt_leaves_norms_open_for_a_longer_one(cases):
-    path, _, truth = cases["mixed"]
+    path, _, truth = cases["hf"]
     model, tokenizer = load(str(path))
     assert len(tokenizer.encode(SHORT)) - 2 < settle.MIN_POSITIONS
     short, _ = decode(model, tokenizer, SHORT)
-    assert not any(d.settled for d in model.mtp_head.norms.values())
+    assert model.mtp_head.module.open_norms is not None
+    assert not any(model.mtp_head.norms[n].settled for n in model.mtp_head.module.open_norms.names)
     assert short == decode(model, tokenizer, SHORT, enable_mtp=False)[0]
     decode(model, tokenizer, PROMPT)
     assert conventions(model) == truth
@@ -86,7 +96,6 @@ def test_the_server_batch_settles_at_its_prompt(cases):
     what stock mlx-lm decodes."""
     path, _, truth = cases["hf"]
     model, tokenizer = load(str(path))
-    to_float32(model)  # exact comparisons with stock batching
     prompts = [tokenizer.encode(SHORT), tokenizer.encode(PROMPT)]
     generator = mtp_generator(model)
     uids = insert(generator, prompts, [MAX_TOKENS] * 2, [MTPRequest(True, 2)] * 2)
@@ -96,19 +105,16 @@ def test_the_server_batch_settles_at_its_prompt(cases):
     assert [results[uid] for uid in uids] == stock_tokens(model, prompts, [MAX_TOKENS] * 2)
 
 
-@pytest.mark.parametrize("case,declared", [("mixed", False), ("mixed", "absolute"), ("hf", False)],
-                         ids=["mixed", "mixed-declared-absolute", "hf"])
-def test_verify_write_records_each_norms_reading(cases, tmp_path, case, declared):
+@pytest.mark.parametrize("declared", [False, "absolute"], ids=["open", "declared-absolute"])
+def test_verify_write_records_each_norms_reading(tmp_path, declared):
     """``verify --write`` records the true reading of every norm: open ones settled on its text, and (per-tensor
     readings in its sweep) one that metadata declares wrongly."""
-    build = BUILDERS[case]
-    path, truth = build(tmp_path / case, declared=declared)
-    text = code_prompt("textwrap", 3000, 3000)
-    result = verify(path, text, write=True)
+    path, truth = mixed_sidecar(tmp_path / "mixed", declared=declared)
+    head_file = (path / "mtp.safetensors").read_bytes()
+    result = verify(path, PROMPT, write=True)
     assert result["best"]["norms"] in ("decided", "per_tensor")
     model, _ = load(str(path))
     assert conventions(model) == truth
     assert all(d.evidence == "declared in metadata" for d in model.mtp_head.norms.values())
-    again = verify(path, text)
-    assert again["current"]["acceptance"] >= again["best"]["acceptance"] - 0.01
+    assert (path / "mtp.safetensors").read_bytes() == head_file  # only config.json is replaced (atomically)
     shutil.rmtree(path)
