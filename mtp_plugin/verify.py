@@ -9,7 +9,8 @@ is measured and the best reported; ``--write`` records it in config.json.
 Norm readings swept: ``decided`` (the loader's, with the norms its files leave open settled on the text as a
 generation with it as its prompt settles them: ``settle.on_prompt``), ``stored_absolute``, ``all_zero_centred`` and
 ``per_tensor`` (every norm's reading searched per tensor on the text, evidence-decided norms included:
-``settle.search`` from ``decided``; a wrongly declared norm among right ones). On a tie the reading named first wins.
+``settle.search`` from ``decided``; a wrongly declared norm among right ones), swept when it differs from the other
+three. On a tie the reading named first wins.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _norm_sets(loaded, score) -> tuple[dict[str, dict[str, str]], dict[str, dict
 
     Args:
         score: ``settle.prompt_score`` of the text, for the per-tensor search; None: a text too short for one
-            (under ``settle.MIN_POSITIONS`` positions), ``per_tensor`` is then ``decided``.
+            (under ``settle.MIN_POSITIONS`` positions). ``per_tensor`` is swept only when it differs from the others.
     """
     location = loaded.location
     stored = hook().mtp_sanitize_head(weights=load_tensors(list(location.tensors.values())),
@@ -59,9 +60,12 @@ def _norm_sets(loaded, score) -> tuple[dict[str, dict[str, str]], dict[str, dict
     names = sorted(loaded.norms)
     candidates = {n: settle.readings(stored[n]) for n in names}
     decided = {n: loaded.norms[n].convention for n in names}
-    per_tensor = decided if score is None else settle.search(loaded.module, candidates, decided, score)[0]
     sets = {"decided": decided, "stored_absolute": dict.fromkeys(names, ABSOLUTE),
-            "all_zero_centred": dict.fromkeys(names, ZERO_CENTRED), "per_tensor": per_tensor}  # ties: the first
+            "all_zero_centred": dict.fromkeys(names, ZERO_CENTRED)}  # on a tie the first wins
+    if score is not None:
+        per_tensor = settle.search(loaded.module, candidates, decided, score)[0]
+        if per_tensor not in sets.values():
+            sets["per_tensor"] = per_tensor
     return sets, candidates
 
 
@@ -75,7 +79,7 @@ def sweep(model, tokens: mx.array) -> tuple[list[Candidate], dict[str, dict[str,
     trunks = {h: hook().mtp_trunk(model=model, contract=Contract(hidden=h)) for h in ("post_norm", "pre_norm")}
     inputs = tokens[None]
     wirings = list(itertools.product(("post_norm", "pre_norm"), ("embedding_first", "hidden_first")))
-    progress = tqdm(total=len(trunks) + 4 * len(wirings), desc="verify: trunk passes", unit="pass")
+    progress = tqdm(total=len(trunks) + 3 * len(wirings), desc="verify: trunk passes", unit="pass")
     hidden = {}
     for h, t in trunks.items():
         hidden[h] = t.hidden(inputs, None)
@@ -93,6 +97,7 @@ def sweep(model, tokens: mx.array) -> tuple[list[Candidate], dict[str, dict[str,
         score = None if tokens.size - 2 < settle.MIN_POSITIONS else settle.prompt_score(
             head, trunks[own], hidden[own][:, :-1], tokens[1:], head_cache)
         norm_sets, candidates = _norm_sets(loaded, score)
+        progress.total = len(trunks) + len(norm_sets) * len(wirings)
         for norms, conventions in norm_sets.items():
             head.load_weights([(n, candidates[n][c]) for n, c in conventions.items()], strict=False)
             for h, order in wirings:
