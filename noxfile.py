@@ -16,9 +16,10 @@ RUNTIMES = {
 @nox.session
 @nox.parametrize("runtime", list(RUNTIMES), ids=list(RUNTIMES))
 def tests(session, runtime):
-    """Install the built package with one runtime pair and run pytest."""
+    """Install the built package with one runtime pair and run pytest, a test module per worker process (one per
+    core: most tests drive a tiny model whose passes keep one core busy; a module's shared fixtures are built once)."""
     session.install(".[test]", *RUNTIMES[runtime])
-    session.run("pytest", "-q", *session.posargs)
+    session.run("pytest", "-q", "-n", "auto", "--dist", "loadfile", *session.posargs)
 
 
 @nox.session

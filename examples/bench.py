@@ -1,10 +1,11 @@
 """Benchmark MTP decoding on the bundled tiny checkpoint (or any model directory) and keep a dated result file.
 
     python examples/bench.py [--model DIR] [--dtype bfloat16] [--depths 3] [--max-tokens 128] [--repeats 3]
-                             [--out benchmarks/results]
+                             [--prompt-tokens 0] [--no-references] [--out benchmarks/results]
 
 A thin wrapper around ``mtp-plugin bench`` (``mtp_plugin.bench``): prints the report, preceded by the
-machine and versions; with ``--out`` also writes it to ``DIR/<date>-<device>.txt``.
+machine and versions; with ``--out`` also writes it to ``DIR/<date>-<device>-<model>-<dtype>[-<shape>].txt``
+(the shape names ``--max-tokens`` and ``--prompt-tokens`` where they are not the defaults).
 """
 
 import argparse
@@ -27,15 +28,19 @@ def main() -> None:
     parser.add_argument("--depths", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="a long context (see mtp-plugin bench)")
+    parser.add_argument("--no-references", action="store_true", help="skip other runtimes' own MTP decoders")
     parser.add_argument("--out", type=Path, help="directory for the dated result file")
     args = parser.parse_args()
 
     machine, versions = tuning.machine(), tuning.versions()
     dtype = None if args.dtype == "none" else args.dtype
-    report = bench(args.model, args.depths, args.max_tokens, args.repeats, dtype)
+    report = bench(args.model, args.depths, args.max_tokens, args.repeats, dtype, args.prompt_tokens,
+                   not args.no_references)
     shown = os.path.relpath(args.model.resolve(), Path(__file__).resolve().parents[1])  # no absolute path in results
     header = [f"mtp-plugin bench {args.model.name} ({shown}), dtype {args.dtype}, greedy, code prompts, "
-              f"{args.max_tokens} tokens per prompt, median of {args.repeats} runs",
+              f"{args.max_tokens} tokens per prompt, median of {args.repeats} runs"
+              + (f", prompts of {args.prompt_tokens} tokens" if args.prompt_tokens else ""),
               f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
               f"machine: {json.dumps(machine)}, {os.cpu_count()} CPUs",
               f"versions: {json.dumps(versions)}", ""]
@@ -44,7 +49,9 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         device = machine["device_name"].replace(" ", "-")
-        path = args.out / f"{datetime.date.today().isoformat()}-{device}-{args.model.name}-{args.dtype}.txt"
+        shape = (f"-{args.max_tokens}-tokens" if args.max_tokens != 128 else "") + (
+            f"-context-{args.prompt_tokens}" if args.prompt_tokens else "")
+        path = args.out / f"{datetime.date.today().isoformat()}-{device}-{args.model.name}-{args.dtype}{shape}.txt"
         path.write_text(text)
         print(f"written to {path}")
 

@@ -148,7 +148,9 @@ def test_version(capsys):
     assert re.fullmatch(r"mtp-plugin \d+\.\d+\.\d+\S*\n", capsys.readouterr().out)
 
 
-def test_tune_shows_progress_phases(model, capsys):
+def test_tune_shows_progress_phases(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = shutil.copytree(HF, tmp_path / "model")  # the unquantized copy: 4-bit decoding is 5x slower on a CPU
     assert main(["tune", str(model), "--depths", "1", "--max-tokens", "4", "--repeats", "1", "--json"]) == 0
     captured = capsys.readouterr()
     assert "tune: warm-up" in captured.err and "tune: decode" in captured.err and "depth 1, run 1/1" in captured.err

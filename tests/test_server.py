@@ -279,6 +279,7 @@ def test_dead_generation_thread_raises_mlx_lms_own_error(call):
         call(rg)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the provider's simulated crash
 def test_only_the_servers_prompt_cache_keeps_a_token_to_run():
     """A prompt equal to a cached sequence: the server's own prompt cache (the one its ``ResponseGenerator`` holds)
     answers with the cache of all but its last token and that token to run (stock's generation thread dies on an
