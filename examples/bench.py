@@ -12,6 +12,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 from pathlib import Path
 
 from mtp_plugin import tuning
@@ -48,7 +49,7 @@ def main() -> None:
     print(text, end="")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        device = machine["device_name"].replace(" ", "-")
+        device = re.sub(r"[^A-Za-z0-9]+", "-", machine["device_name"]).strip("-")
         shape = (f"-{args.max_tokens}-tokens" if args.max_tokens != 128 else "") + (
             f"-context-{args.prompt_tokens}" if args.prompt_tokens else "")
         path = args.out / f"{datetime.date.today().isoformat()}-{device}-{args.model.name}-{args.dtype}{shape}.txt"
