@@ -1,6 +1,7 @@
 """``mtp-plugin verify``: measure depth-1 greedy acceptance and sweep the wiring contract.
 
-A plain, non-speculative pass: the trunk reads the text once (teacher forcing); for every position t
+No decoding loop: the trunk reads the text twice (teacher forcing; its hidden states before and after the final
+norm), then the head runs once per wiring (3 norm readings x 2 hidden variants x 2 concat orders); for every position t
 the head drafts token t+2 from (h[t], x[t+1]) and the draft counts as accepted when it equals the
 trunk's own argmax at t+1. A wrong contract (hidden before/after the final norm, concat order) or a
 wrong norm convention makes acceptance collapse without any error (seed 003), so every combination
@@ -66,15 +67,13 @@ def sweep(model, tokens: mx.array) -> list[Candidate]:
     inputs = tokens[None]
     wirings = list(itertools.product(("post_norm", "pre_norm"), ("embedding_first", "hidden_first")))
     norm_sets = _norm_sets(loaded)
-    progress = tqdm(total=len(trunks) + len(norm_sets) * len(wirings), desc="verify: trunk passes", unit="pass")
     hidden = {}
-    for h, t in trunks.items():
+    for h, t in tqdm(trunks.items(), desc="verify: trunk passes", unit="pass"):
         hidden[h] = t.hidden(inputs, None)
         mx.eval(hidden[h])
-        progress.update()
     target = mx.argmax(trunks["post_norm"].trunk_logits(hidden["post_norm"]), axis=-1)[0, 1:]
     embeddings = trunks["post_norm"].embed(inputs[:, 1:])
-    progress.set_description("verify: wiring sweep")
+    progress = tqdm(total=len(norm_sets) * len(wirings), desc="verify: head passes (wiring sweep)", unit="pass")
     results = []
     try:
         for norms, (weights, _) in norm_sets.items():

@@ -141,6 +141,15 @@ def test_help_shows_defaults_and_ranges(capsys, command):
         assert "N in 1-8" in text and "per prompt, >= 2" in text and "(medians), >= 1" in text
 
 
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_is_plain_text(capsys, command):
+    """argparse prints descriptions as written: no reStructuredText markup (double backticks) may reach them."""
+    with pytest.raises(SystemExit):
+        main(["--help"] if command is None else [command, "--help"])
+    text = capsys.readouterr().out
+    assert "usage: mtp-plugin" in text and "``" not in text
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["--version"])
