@@ -10,12 +10,12 @@ from mlx_lm import load
 
 import mtp_plugin
 from mtp_plugin.checkpoint import read_config
-from mtp_plugin.cli import SAMPLE_SOURCE, main, write_advice
+from mtp_plugin.commands.cli import SAMPLE_SOURCE, main, write_advice
+from mtp_plugin.commands.extract import extract
+from mtp_plugin.commands.graft import GraftRefused, graft
+from mtp_plugin.commands.report import inspect_dir
+from mtp_plugin.commands.verify import verify
 from mtp_plugin.conventions import is_norm
-from mtp_plugin.extract import extract
-from mtp_plugin.graft import GraftRefused, graft
-from mtp_plugin.report import inspect_dir
-from mtp_plugin.verify import verify
 
 ROOT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
 HF, MLX4 = ROOT / "hf", ROOT / "mlx-4bit"
@@ -172,10 +172,10 @@ def test_random_init_head_flagged_by_inspect_and_verify(tmp_path, recipient, cap
 def test_verify_says_why_it_exits_1(tmp_path, monkeypatch, capsys):
     """A head whose best wiring accepts under the threshold (raised here above any acceptance) exits 1 with the
     reason on stderr, not just the table."""
-    import mtp_plugin.cli
-    import mtp_plugin.verify
+    import mtp_plugin.commands.cli
+    import mtp_plugin.commands.verify
 
-    for module in (mtp_plugin.cli, mtp_plugin.verify):
+    for module in (mtp_plugin.commands.cli, mtp_plugin.commands.verify):
         monkeypatch.setattr(module, "MIN_ACCEPTANCE", 1.01, raising=False)
     prompt = tmp_path / "prompt.py"
     prompt.write_text(TEXT)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from mtp_plugin.bench import bench
-from mtp_plugin.cli import main, parser
-from mtp_plugin.extract import extract
-from mtp_plugin.tune import tune
+from mtp_plugin.commands.bench import bench
+from mtp_plugin.commands.cli import main, parser
+from mtp_plugin.commands.extract import extract
+from mtp_plugin.commands.tune import tune
 from mtp_plugin.usage import UsageError
 
 ROOT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"

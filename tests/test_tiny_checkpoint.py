@@ -12,7 +12,7 @@ import pytest
 from builders import to_float32
 from mlx_lm import load
 
-from mtp_plugin.report import inspect_dir
+from mtp_plugin.commands.report import inspect_dir
 
 ROOT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
 HF, MLX4 = ROOT / "hf", ROOT / "mlx-4bit"

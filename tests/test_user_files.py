@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from mtp_plugin import tuning
-from mtp_plugin.cli import main
+from mtp_plugin.commands.cli import main
 from mtp_plugin.files import user_mode
 
 ROOT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
@@ -140,7 +140,7 @@ def test_graft_across_filesystems_says_it_copied(tmp_path, capsys):
 
 SIGNALLED = """
 import os, signal, sys
-from mtp_plugin.cli import main
+from mtp_plugin.commands.cli import main
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job inherits it ignored)
 replace = os.replace

@@ -19,12 +19,12 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
-from .checkpoint import CheckpointError, load_tensors
-from .conventions import ABSOLUTE, CONTRACT_KEY, NORM_KEY, ZERO_CENTRED, Contract
-from .files import atomic_write, check_replaceable
-from .plugins import hook
+from ..checkpoint import CheckpointError, load_tensors
+from ..conventions import ABSOLUTE, CONTRACT_KEY, NORM_KEY, ZERO_CENTRED, Contract
+from ..files import atomic_write, check_replaceable
+from ..plugins import hook
+from ..usage import UsageError
 from .report import inspect_dir
-from .usage import UsageError
 
 MAX_TOKENS = 1024
 MIN_TOKENS = 2  # a draft of token t+2 from (h[t], x[t+1]) needs two tokens

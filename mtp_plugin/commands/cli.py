@@ -13,9 +13,9 @@ import sysconfig
 from importlib import metadata
 from pathlib import Path
 
-from .checkpoint import CheckpointError, read_config
-from .files import Terminated, terminating_cleanly
-from .usage import GROUP_SIZES, HEAD_BITS, UsageError, describe, int_in
+from ..checkpoint import CheckpointError, read_config
+from ..files import Terminated, terminating_cleanly
+from ..usage import GROUP_SIZES, HEAD_BITS, UsageError, describe, int_in
 
 DESCRIPTION = """Inspect, verify, graft, extract, tune and benchmark MTP heads (also: python -m mtp_plugin).
 
@@ -112,7 +112,7 @@ def write_advice(result: dict) -> str:
 
 
 def _tune(args) -> int:
-    from .draft_vocab import FILE_NAME
+    from ..draft_vocab import FILE_NAME
     from .tune import tune
 
     result = tune(args.model_dir, args.depths, args.max_tokens, args.repeats, args.write, args.vocab_text)
