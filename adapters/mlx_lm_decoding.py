@@ -35,6 +35,7 @@ PREFILL_IN_HISTORY = release("mlx-lm") >= (0, 32, 0)
 CLI = {"depth": 0, "enabled": True}  # set by --mtp-depth / --no-mtp; 0 = automatic
 CAPTURED: dict[str, bool] = {}  # model type -> its layers needing capture points got them (``capture.install``)
 SAMPLINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sampler -> Sampling, None when greedy
+TOLD_HEADLESS: set[int] = set()  # ids of models told why an explicit depth decodes stock (``warn_headless``)
 
 
 def describe_samplers(make_sampler):
@@ -180,6 +181,8 @@ def mtp_generate_step(generate_step, captured: dict[str, bool]):
         if loaded is not None:
             loaded.stats = None  # this generation's counters, None unless it decodes with MTP
         enable_mtp = CLI["enabled"] if enable_mtp is None else enable_mtp
+        if enable_mtp and loaded is None:
+            warn_headless(model, CLI["depth"] if mtp_depth is None else mtp_depth)
         if enable_mtp and loaded is not None and rollback_ready(captured, model_type):
             options = decoding_options(model, loaded, prompt, mtp_depth, {**defaults, **kwargs})
             if options is not None:
@@ -190,6 +193,17 @@ def mtp_generate_step(generate_step, captured: dict[str, bool]):
         return generate_step(prompt, model, *args, **kwargs)
 
     return wrapper
+
+
+def warn_headless(model, depth) -> None:
+    """Say once per model, as a logging warning, why an explicit draft ``depth`` (anything but None or 0, the
+    automatic default) decodes stock on ``model``: it has no usable MTP head."""
+    if depth is None or (type(depth) is int and depth == 0) or id(model) in TOLD_HEADLESS:
+        return
+    TOLD_HEADLESS.add(id(model))
+    log.warning("mtp_plugin: MTP draft depth %s was asked, but this model has no usable MTP head (its checkpoint "
+                "has none, or the head was refused at load with a warning; `mtp-plugin inspect MODEL_DIR` says "
+                "which); decoding without MTP.", depth)
 
 
 def _generation_stream():

@@ -37,7 +37,7 @@ from mtp_plugin.trunk import PromptInputs, multimodal
 from mtp_plugin.tuning import depth_policy, sampled_policy
 
 from .capture import rollback_ready
-from .mlx_lm_decoding import CLI, add_mtp_arguments, announce
+from .mlx_lm_decoding import CLI, add_mtp_arguments, announce, warn_headless
 from .mlx_vlm_sampling import sampling
 from .patching import release
 
@@ -237,6 +237,8 @@ def mtp_generate_step(generate_step, ar, captured: dict[str, bool]):
         model_type = loaded.location.model_type if loaded is not None else None
         if loaded is not None:
             loaded.stats = None
+        if enable_mtp and loaded is None:
+            warn_headless(model, mtp_depth)
         if enable_mtp and loaded is not None and rollback_ready(captured, model_type):
             named, extra = step_arguments(generate_step, input_ids, model, pixel_values, mask, **kwargs)
             options = decoding_options(ar, model, loaded, mtp_depth, named, extra)

@@ -101,7 +101,7 @@ def mtp_reference_decoders(model_dir, dtype):
         return []
     from mlx_vlm.generate.ar import generate_step
 
-    from mtp_plugin.bench import cast
+    from mtp_plugin.commands.bench import cast
 
     version = ".".join(map(str, release("mlx-vlm")))
     try:

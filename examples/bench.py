@@ -3,7 +3,7 @@
     python examples/bench.py [--model DIR] [--dtype bfloat16] [--depths 3] [--max-tokens 128] [--repeats 3]
                              [--prompt-tokens 0] [--no-references] [--out benchmarks/results]
 
-A thin wrapper around ``mtp-plugin bench`` (``mtp_plugin.bench``): prints the report, preceded by the
+A thin wrapper around ``mtp-plugin bench`` (``mtp_plugin.commands.bench``): prints the report, preceded by the
 machine and versions; with ``--out`` also writes it to ``DIR/<date>-<device>-<model>-<dtype>[-<shape>].txt``
 (the shape names ``--max-tokens`` and ``--prompt-tokens`` where they are not the defaults).
 """
@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from mtp_plugin import tuning
-from mtp_plugin.bench import bench, render
+from mtp_plugin.commands.bench import bench, render
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "tiny-qwen3_5" / "hf"
 

@@ -120,8 +120,8 @@ def mtp_new_caches(model) -> tuple | None:
 def mtp_reference_decoders(model_dir, dtype) -> list:
     """Decoders to compare against on ``model_dir`` (weights cast to ``dtype``, an ``mx.Dtype`` or None): other
     runtimes' own MTP decoders, and this plugin's decoding where the bench's own rows cannot show it (another
-    runtime's media prompts); each item a ``ReferenceDecoder`` (see ``bench.py``) or a one-line string saying why
-    that runtime cannot run it."""
+    runtime's media prompts); each item a ``ReferenceDecoder`` (see ``commands/bench.py``) or a one-line string
+    saying why that runtime cannot run it."""
 
 
 @hookspec

@@ -10,12 +10,12 @@ from mlx_lm import load
 
 import mtp_plugin
 from mtp_plugin.checkpoint import read_config
-from mtp_plugin.cli import SAMPLE_SOURCE, main
+from mtp_plugin.commands.cli import SAMPLE_SOURCE, main, write_advice
+from mtp_plugin.commands.extract import extract
+from mtp_plugin.commands.graft import GraftRefused, graft
+from mtp_plugin.commands.report import inspect_dir
+from mtp_plugin.commands.verify import verify
 from mtp_plugin.conventions import is_norm
-from mtp_plugin.extract import extract
-from mtp_plugin.graft import GraftRefused, graft
-from mtp_plugin.report import inspect_dir
-from mtp_plugin.verify import verify
 
 ROOT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
 HF, MLX4 = ROOT / "hf", ROOT / "mlx-4bit"
@@ -172,13 +172,29 @@ def test_random_init_head_flagged_by_inspect_and_verify(tmp_path, recipient, cap
 def test_verify_says_why_it_exits_1(tmp_path, monkeypatch, capsys):
     """A head whose best wiring accepts under the threshold (raised here above any acceptance) exits 1 with the
     reason on stderr, not just the table."""
-    import mtp_plugin.cli
-    import mtp_plugin.verify
+    import mtp_plugin.commands.cli
+    import mtp_plugin.commands.verify
 
-    for module in (mtp_plugin.cli, mtp_plugin.verify):
+    for module in (mtp_plugin.commands.cli, mtp_plugin.commands.verify):
         monkeypatch.setattr(module, "MIN_ACCEPTANCE", 1.01, raising=False)
     prompt = tmp_path / "prompt.py"
     prompt.write_text(TEXT)
     assert main(["verify", str(MLX4), "--prompt-file", str(prompt)]) == 1
     err = capsys.readouterr().err
     assert "mtp-plugin: verify: even the best wiring" in err and "under 1.01" in err
+
+
+def advice(best: float, current: float, tokens: int = 1024, written: bool = False) -> str:
+    wiring = {"norms": "decided", "hidden": "pre_norm", "concat_order": "embedding_first"}
+    return write_advice({"tokens": tokens, "written": written, "best": {**wiring, "acceptance": best},
+                         "current": {**wiring, "hidden": "post_norm", "acceptance": current}})
+
+
+def test_verify_suggests_write_only_beyond_the_noise():
+    """0.420 -> 0.429 over 1023 drafts (the tiny checkpoint's own sweep) is noise (2 standard errors: 0.044);
+    0.076 -> 0.429 (a swapped concat order) is not; a gain of 0.2 is beyond it over 1023 drafts, within it over 40."""
+    assert "within this measurement's noise (±0.044, two standard errors over 1023 drafts)" in advice(0.429, 0.420)
+    assert "run with --write" not in advice(0.429, 0.420)
+    assert "beyond this measurement's noise" in advice(0.429, 0.076) and "run with --write" in advice(0.429, 0.076)
+    assert "run with --write" in advice(0.60, 0.40, tokens=1024) and "run with --write" not in advice(0.60, 0.40, 41)
+    assert advice(0.5, 0.3, written=True).endswith("(recorded in config.json)")

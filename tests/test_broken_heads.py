@@ -18,8 +18,8 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mtp_plugin.adapters.patching import release
 
-from mtp_plugin.report import inspect_dir
-from mtp_plugin.verify import verify
+from mtp_plugin.commands.report import inspect_dir
+from mtp_plugin.commands.verify import verify
 
 PROMPT = mx.array([3, 17, 42, 99, 7, 128, 5, 64])
 
@@ -219,7 +219,7 @@ def test_inspect_and_loader_agree_on_broken_tensors(tmp_path, tiny, caplog, caps
     path = save_checkpoint(tmp_path / "m", config, weights, change(qhead if quantized else head), "mtp.safetensors")
     message = refused(path, caplog, [str(path / "mtp.safetensors"), *words])
     assert case != "two-layers" or "config.json declares mtp_num_hidden_layers=1" in message
-    from mtp_plugin.cli import main
+    from mtp_plugin.commands.cli import main
 
     assert main(["inspect", str(path)]) == 1 and "can_run:            NO" in capsys.readouterr().out
 
@@ -228,7 +228,7 @@ def test_inspect_and_loader_agree_on_broken_tensors(tmp_path, tiny, caplog, caps
 def test_graft_and_extract_refuse_heads_that_would_not_load(tmp_path, tiny, capsys, case):
     """graft (a head file as donor) and extract (a checkpoint carrying the head) run the loader's validation: exit 1,
     the message names the file and the tensor, and nothing is written."""
-    from mtp_plugin.cli import main
+    from mtp_plugin.commands.cli import main
 
     config, _, weights, head, qhead = tiny
     quantized, change, words = BROKEN[case]
@@ -329,7 +329,7 @@ def test_broken_index_and_broken_head_warn_once(tmp_path, tiny, caplog):
 def test_graft_into_a_broken_index(tmp_path, tiny, capsys):
     """The omlx layout lists its head file in the recipient's index: an index that cannot be read is refused (exit 1,
     named, with the fix); the default layout never touches the index and grafts."""
-    from mtp_plugin.cli import main
+    from mtp_plugin.commands.cli import main
 
     config, _, weights, head, _ = tiny
     recipient = save_checkpoint(tmp_path / "recipient", config, weights, index=True)
@@ -395,7 +395,7 @@ def test_differing_copies_refused_naming_both(tmp_path, tiny, caplog, same_file)
     second = "mtp.safetensors" if same_file else "model.safetensors"
     assert "different values" in message and str(path / "mtp.safetensors") in message
     assert str(path / second) in message and "language_model.mtp." in message
-    from mtp_plugin.cli import main
+    from mtp_plugin.commands.cli import main
 
     assert main(["inspect", str(path)]) == 1
 
@@ -514,7 +514,7 @@ def _agreement(model, text):
 def test_small_absolute_norms_in_an_mlx_sidecar_stay_absolute(tmp_path):
     from mlx_lm import load
 
-    from mtp_plugin.cli import SAMPLE_SOURCE
+    from mtp_plugin.commands.cli import SAMPLE_SOURCE
 
     reference, tokenizer = load(str(TINY / "mlx-4bit"))
     source = SAMPLE_SOURCE.read_text()[:700]

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from mtp_plugin.bench import bench
-from mtp_plugin.cli import main, parser
-from mtp_plugin.extract import extract
-from mtp_plugin.tune import tune
+from mtp_plugin.commands.bench import bench
+from mtp_plugin.commands.cli import main, parser
+from mtp_plugin.commands.extract import extract
+from mtp_plugin.commands.tune import tune
 from mtp_plugin.usage import UsageError
 
 ROOT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
@@ -139,6 +139,15 @@ def test_help_shows_defaults_and_ranges(capsys, command):
             assert "{" + ",".join(map(str, action.choices)) + "}" in text
     if command in ("tune", "bench"):
         assert "N in 1-8" in text and "per prompt, >= 2" in text and "(medians), >= 1" in text
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_is_plain_text(capsys, command):
+    """argparse prints descriptions as written: no reStructuredText markup (double backticks) may reach them."""
+    with pytest.raises(SystemExit):
+        main(["--help"] if command is None else [command, "--help"])
+    text = capsys.readouterr().out
+    assert "usage: mtp-plugin" in text and "``" not in text
 
 
 def test_version(capsys):

@@ -203,8 +203,8 @@ def break_index(path, case):
 def test_broken_index_loads_as_stock_with_the_head(tmp_path, caplog, capsys, case, head_file):
     """mlx-lm never reads the index: the plugin loads what stock loads, keeps the head (found by file name, in a
     sidecar or a shard) and warns once naming the index; inspect says the same, without a traceback."""
-    from mtp_plugin.cli import main
-    from mtp_plugin.report import inspect_dir
+    from mtp_plugin.commands.cli import main
+    from mtp_plugin.commands.report import inspect_dir
 
     config = config_for("qwen3_5")
     model = build_model(config)

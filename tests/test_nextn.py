@@ -127,7 +127,7 @@ def test_greedy_identical_in_one_batch(model, depths):
 def test_extract_graft_inspect(tmp_path, kind, capsys):
     """The head taken out of a Hugging Face layout checkpoint (quantized as mlx-lm would: DeepSeek's router stays
     float) and grafted onto the MLX conversion's head-less twin decodes as plain decoding does."""
-    from mtp_plugin.cli import main
+    from mtp_plugin.commands.cli import main
 
     hf, _ = save_hf(tmp_path / "hf", kind)
     plain = save_mlx(tmp_path / "mlx", kind, "sidecar")[0]
@@ -182,7 +182,7 @@ def test_mlx_lm_convert_then_graft(tmp_path, kind):
     back from the original as a sidecar, it decodes as plain decoding does on the quantized trunk."""
     from mlx_lm import convert
 
-    from mtp_plugin.cli import main
+    from mtp_plugin.commands.cli import main
 
     hf, _ = save_hf(tmp_path / "hf", kind)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -199,7 +199,7 @@ def test_verify_tune_bench(tmp_path, monkeypatch, capsys):
     """The measuring commands on a next-n checkpoint (with the bundled tokenizer, whose vocabulary it shares): the
     wiring sweep runs (a random head is reported unusable: exit 1), tune recommends, bench reports; another
     runtime that cannot run this head is reported by bench, never raised."""
-    from mtp_plugin.cli import main
+    from mtp_plugin.commands.cli import main
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     _, model_dir, _ = save_mlx(tmp_path, "glm4_moe_lite", "layer")
@@ -238,7 +238,7 @@ def test_head_names(stored, layers, canonical):
 def test_head_missing_an_expert_is_refused_cleanly(tmp_path, kind, caplog, capsys):
     """A Hugging Face layout head layer without one of its experts: mlx-lm's own sanitize cannot stack it. The head
     is refused with the tensor named, the trunk loads as without it, and ``inspect`` says why."""
-    from mtp_plugin.cli import main
+    from mtp_plugin.commands.cli import main
 
     path, _ = save_hf(tmp_path / "hf", kind)
     plain = save_mlx(tmp_path / "mlx", kind, "sidecar")[0]
@@ -256,7 +256,7 @@ def test_head_missing_an_expert_is_refused_cleanly(tmp_path, kind, caplog, capsy
 
 
 def test_inspect_names_the_declaring_key(tmp_path, capsys):
-    from mtp_plugin.cli import main
+    from mtp_plugin.commands.cli import main
 
     plain = save_mlx(tmp_path, "glm4_moe", "sidecar")[0]
     assert main(["inspect", str(plain), "--json"]) == 1
@@ -268,7 +268,7 @@ def test_inspect_names_the_declaring_key(tmp_path, capsys):
 def test_inspect_and_loader_agree_on_the_layers_structure(tmp_path, kind, case, caplog, capsys):
     """The one validation needs nothing from this family but its head module: an MLP tensor missing or an output
     width wrong is refused by the loader and by inspect alike, naming the tensor."""
-    from mtp_plugin.cli import main
+    from mtp_plugin.commands.cli import main
 
     _, path, head = save_mlx(tmp_path, kind, "sidecar")
     name = "layers.0.mlp.shared_experts.down_proj.weight" if case.startswith("missing") else \

@@ -12,7 +12,7 @@ import pytest
 from builders import to_float32
 from mlx_lm import load
 
-from mtp_plugin.report import inspect_dir
+from mtp_plugin.commands.report import inspect_dir
 
 ROOT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
 HF, MLX4 = ROOT / "hf", ROOT / "mlx-4bit"
@@ -45,6 +45,18 @@ def test_sidecar_leaves_trunk_logits_untouched(tmp_path):
     tokens = mx.array([tokenizer.encode(PROMPT)])
     assert with_head.mtp_head is not None and without.mtp_head is None
     assert mx.array_equal(with_head(tokens), without(tokens))
+
+
+def test_explicit_depth_without_a_head_says_once_why_it_decodes_stock(tmp_path, caplog):
+    bare = tmp_path / "no-head"
+    shutil.copytree(MLX4, bare, ignore=shutil.ignore_patterns("mtp.safetensors"))
+    model, tokenizer = load(str(bare))
+    assert run(model, tokenizer) == run(model, tokenizer, enable_mtp=False)
+    assert "no usable MTP head" not in caplog.text  # the automatic default says nothing
+    for _ in range(2):
+        assert run(model, tokenizer, mtp_depth=3) == run(model, tokenizer, enable_mtp=False)
+    told = [r for r in caplog.records if "no usable MTP head" in r.getMessage()]
+    assert len(told) == 1 and "depth 3" in told[0].getMessage() and told[0].levelname == "WARNING"
 
 
 @pytest.fixture(scope="module")

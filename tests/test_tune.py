@@ -15,10 +15,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from mtp_plugin import draft_vocab, measure, tuning
-from mtp_plugin.bench import bench, efficiency, render
-from mtp_plugin.cli import main
-from mtp_plugin.tune import token_counts
+from mtp_plugin import draft_vocab, tuning
+from mtp_plugin.commands import measure
+from mtp_plugin.commands.bench import bench, efficiency, render
+from mtp_plugin.commands.cli import main
+from mtp_plugin.commands.tune import token_counts
 
 HF = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5" / "hf"
 QUICK = ["--depths", "2", "--max-tokens", "6", "--repeats", "1"]

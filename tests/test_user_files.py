@@ -8,6 +8,7 @@ the modes of the user's own files; SIGINT/SIGTERM/SIGHUP leave no temporary file
 
 import hashlib
 import os
+import re
 import shutil
 import signal
 import stat
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from mtp_plugin import tuning
-from mtp_plugin.cli import main
+from mtp_plugin.commands.cli import main
 from mtp_plugin.files import user_mode
 
 ROOT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
@@ -139,7 +140,7 @@ def test_graft_across_filesystems_says_it_copied(tmp_path, capsys):
 
 SIGNALLED = """
 import os, signal, sys
-from mtp_plugin.cli import main
+from mtp_plugin.commands.cli import main
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job inherits it ignored)
 replace = os.replace
@@ -193,7 +194,11 @@ def test_verify_write_keeps_config_mode(tmp_path, capsys):
     prompt.write_text(Path(tuning.__file__).read_text()[:600])
     assert main(["verify", str(model), "--prompt-file", str(prompt), "--write"]) == 0
     captured = capsys.readouterr()
-    assert "recorded in config.json" in captured.out and "verify: wiring sweep" in captured.err
+    assert "recorded in config.json" in captured.out
+    bars = captured.err.replace("\r", "\n")  # a bar per kind of pass, counting its passes as docs/commands.md says
+    assert re.search(r"verify: trunk passes: 100%\S* +2/2 ", bars), bars
+    assert re.search(r"verify: head passes \(wiring sweep\): 100%\S* +12/12 ", bars), bars
+    assert "2 trunk passes and 12 head passes" in captured.out
     assert mode(model / "config.json") == 0o640
     assert [p.name for p in model.iterdir() if p.name.startswith(".")] == []
 

@@ -303,12 +303,15 @@ def test_bench_decoders_for_image_prompts(trained_vlm_model):
             assert decoder.stats().drafted > 0, decoder.name
 
 
-def test_headless_checkpoint_decodes_stock(built, tmp_path):
-    """No head: the wrapped step is stock mlx-vlm, the MTP keywords notwithstanding."""
+def test_headless_checkpoint_decodes_stock(built, tmp_path, caplog):
+    """No head: the wrapped step is stock mlx-vlm, the MTP keywords notwithstanding; an explicit depth says once
+    why."""
     config, trunk, _ = built("qwen3_5")
     model = load_model(save_checkpoint(tmp_path, config, trunk))
     assert model.mtp_head is None
     patched = tokens(model, SHORT, mtp_depth=3)
+    assert tokens(model, SHORT, mtp_depth=3) == patched
+    assert caplog.text.count("depth 3 was asked, but this model has no usable MTP head") == 1
     mtp_plugin.unpatch()
     assert tokens(model, SHORT) == patched
 

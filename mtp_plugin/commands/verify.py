@@ -1,6 +1,8 @@
 """``mtp-plugin verify``: measure depth-1 greedy acceptance and sweep the wiring contract.
 
-A plain, non-speculative pass: the trunk reads the text once (teacher forcing); for every position t
+No decoding loop: the trunk reads the text twice (teacher forcing; its hidden states before and after the final
+norm), then the head runs once per wiring (3 or 4 norm readings x 2 hidden variants x 2 concat orders, after the head
+passes that settle open norms on the text); for every position t
 the head drafts token t+2 from (h[t], x[t+1]) and the draft counts as accepted when it equals the
 trunk's own argmax at t+1. A wrong contract (hidden before/after the final norm, concat order) or a
 wrong norm convention makes acceptance collapse without any error (seed 003), so every combination
@@ -23,13 +25,13 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
-from . import settle
-from .checkpoint import CheckpointError, load_tensors
-from .conventions import ABSOLUTE, CONTRACT_KEY, NORM_KEY, ZERO_CENTRED, Contract
-from .files import atomic_write, check_replaceable
-from .plugins import hook
+from .. import settle
+from ..checkpoint import CheckpointError, load_tensors
+from ..conventions import ABSOLUTE, CONTRACT_KEY, NORM_KEY, ZERO_CENTRED, Contract
+from ..files import atomic_write, check_replaceable
+from ..plugins import hook
+from ..usage import UsageError
 from .report import inspect_dir
-from .usage import UsageError
 
 MAX_TOKENS = 1024
 MIN_TOKENS = 2  # a draft of token t+2 from (h[t], x[t+1]) needs two tokens
@@ -79,25 +81,22 @@ def sweep(model, tokens: mx.array) -> tuple[list[Candidate], dict[str, dict[str,
     trunks = {h: hook().mtp_trunk(model=model, contract=Contract(hidden=h)) for h in ("post_norm", "pre_norm")}
     inputs = tokens[None]
     wirings = list(itertools.product(("post_norm", "pre_norm"), ("embedding_first", "hidden_first")))
-    progress = tqdm(total=len(trunks) + 3 * len(wirings), desc="verify: trunk passes", unit="pass")
     hidden = {}
-    for h, t in trunks.items():
+    for h, t in tqdm(trunks.items(), desc="verify: trunk passes", unit="pass"):
         hidden[h] = t.hidden(inputs, None)
         mx.eval(hidden[h])
-        progress.update()
     target = mx.argmax(trunks["post_norm"].trunk_logits(hidden["post_norm"]), axis=-1)[0, 1:]
     embeddings = trunks["post_norm"].embed(inputs[:, 1:])
     own = head.contract.hidden
     _, head_cache = hook().mtp_new_caches(model=model)
     settle.on_prompt(head, trunks[own], hidden[own][:, :-1], tokens[1:], head_cache)
     original = dict(head.parameters())
-    progress.set_description("verify: wiring sweep")
-    results = []
+    results, progress = [], None
     try:
         score = None if tokens.size - 2 < settle.MIN_POSITIONS else settle.prompt_score(
             head, trunks[own], hidden[own][:, :-1], tokens[1:], head_cache)
         norm_sets, candidates = _norm_sets(loaded, score)
-        progress.total = len(trunks) + len(norm_sets) * len(wirings)
+        progress = tqdm(total=len(norm_sets) * len(wirings), desc="verify: head passes (wiring sweep)", unit="pass")
         for norms, conventions in norm_sets.items():
             head.load_weights([(n, candidates[n][c]) for n, c in conventions.items()], strict=False)
             for h, order in wirings:
@@ -106,7 +105,8 @@ def sweep(model, tokens: mx.array) -> tuple[list[Candidate], dict[str, dict[str,
                 results.append(Candidate(norms, h, order, (draft == target).mean().item()))
                 progress.update()
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()
         head.update(original)
         head.contract = Contract.from_metadata({**loaded.location.metadata, **loaded.location.config})
     return sorted(results, key=lambda c: -c.acceptance), norm_sets

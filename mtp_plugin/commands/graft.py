@@ -16,14 +16,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .checkpoint import INDEX, CheckpointError, HeadLocation, HeadTensor, find_head, read_config, read_index
-from .compat import head_config, mismatches
-from .conventions import Contract
-from .files import check_new_output, user_mode
-from .headfile import head_metadata, write_atomically
-from .plugins import hook
-from .usage import UsageError
-from .validation import expected_head, validate
+from ..checkpoint import INDEX, CheckpointError, HeadLocation, HeadTensor, find_head, read_config, read_index
+from ..compat import head_config, mismatches
+from ..conventions import Contract
+from ..files import check_new_output, user_mode
+from ..headfile import head_metadata, write_atomically
+from ..plugins import hook
+from ..usage import UsageError
+from ..validation import expected_head, validate
 
 LAYOUTS = {  # layout: (head file, tensor-name prefix) each runtime documents
     "mlx-lm": ("mtp.safetensors", "mtp."),  # ours: a sidecar stock mlx-lm never reads

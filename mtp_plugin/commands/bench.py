@@ -29,12 +29,13 @@ from typing import Protocol
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from . import draft_vocab, measure, tuning
-from .decoding import DEFAULT_DEPTH, MAX_DEPTH
-from .plugins import hook
-from .stats import MTPStats
+from .. import draft_vocab, tuning
+from ..decoding import DEFAULT_DEPTH, MAX_DEPTH
+from ..plugins import hook
+from ..stats import MTPStats
+from ..usage import UsageError
+from . import measure
 from .tune import check_measure_options, load, summarise
-from .usage import UsageError
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

@@ -21,12 +21,12 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
-from . import rollback
-from .decoding import accept_greedy
-from .drafter import draft_logits, log_softmax, propose
-from .plugins import hook
-from .stats import MTPStats
-from .trunk import trunk_parts
+from .. import rollback
+from ..decoding import accept_greedy
+from ..drafter import draft_logits, log_softmax, propose
+from ..plugins import hook
+from ..stats import MTPStats
+from ..trunk import trunk_parts
 
 PROMPT_SOURCES = ("textwrap.py", "shlex.py", "string.py", "fractions.py")  # standard library, on every machine
 PROMPT_CHARS = 1000

@@ -1,14 +1,11 @@
-"""``mtp-plugin`` command line (also ``python -m mtp_plugin``).
-
-Exit codes: 0 ok; 1 a failure (MTP cannot run, the head is unusable, a checkpoint is unreadable); 2 a usage
-error (a bad option value, a missing model directory, an output that would lose or touch user data): nothing
-was written. SIGTERM/SIGHUP remove the command's temporary files before the process ends by that signal.
-"""
+"""``mtp-plugin`` command line (also ``python -m mtp_plugin``); ``DESCRIPTION`` is its ``--help`` text (plain text:
+argparse prints it as written)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -16,10 +13,16 @@ import sysconfig
 from importlib import metadata
 from pathlib import Path
 
-from .checkpoint import CheckpointError, read_config
-from .files import Terminated, terminating_cleanly
-from .usage import GROUP_SIZES, HEAD_BITS, UsageError, describe, int_in
+from ..checkpoint import CheckpointError, read_config
+from ..files import Terminated, terminating_cleanly
+from ..usage import GROUP_SIZES, HEAD_BITS, UsageError, describe, int_in
 
+DESCRIPTION = """Inspect, verify, graft, extract, tune and benchmark MTP heads (also: python -m mtp_plugin).
+
+Exit codes: 0 ok; 1 a failure (MTP cannot run, the head is unusable, a checkpoint is unreadable); 2 a usage
+error (a bad option value, a missing model directory, an output that would lose or touch user data): nothing
+was written; 130 interrupted. SIGTERM/SIGHUP remove the command's temporary files before the process ends by
+that signal. Each command's options: mtp-plugin COMMAND --help."""
 SAMPLE_SOURCE = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"  # real text found on every machine
 
 
@@ -73,21 +76,43 @@ def _verify(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"depth-1 greedy acceptance over {result['tokens']} tokens (plain pass, no decoding loop):")
+        print(f"depth-1 greedy acceptance over {result['tokens'] - 1} drafts (2 trunk passes and "
+              f"{len(result['candidates'])} head passes, no decoding loop):")
         for c in result["candidates"]:
             print(f"  {c['acceptance']:.3f}  norms={c['norms']:<16} hidden={c['hidden']:<9} "
                   f"concat={c['concat_order']}")
-        best, current = result["best"], result["current"]
-        print(f"current wiring {current['acceptance']:.3f}; best {best['acceptance']:.3f}"
-              + (" (recorded in config.json)" if result["written"] else
-                 "" if best == current else "; run with --write to record it"))
+        print(write_advice(result))
     for problem in result["problems"]:
         print(f"mtp-plugin: verify: {problem}", file=sys.stderr)
     return 1 if result["problems"] else 0
 
 
+def write_advice(result: dict) -> str:
+    """verify's last line: the current and the best wiring's acceptance, and whether ``--write`` is worth it.
+
+    A difference counts only beyond the measurement's noise: two standard errors of the difference of two acceptance
+    rates p over the same n drafts (n = tokens - 1), 2 * sqrt((p_best (1 - p_best) + p_current (1 - p_current)) / n),
+    the binomial standard error of each rate (conservative for rates measured on the same drafts, which correlate).
+    """
+    best, current = result["best"], result["current"]
+    line = f"current wiring {current['acceptance']:.3f}; best {best['acceptance']:.3f}"
+    if result["written"]:
+        return line + " (recorded in config.json)"
+    if best == current:
+        return line + " (the current wiring)"
+    drafts = max(result["tokens"] - 1, 1)
+    pb, pc = best["acceptance"], current["acceptance"]
+    noise = 2 * math.sqrt((pb * (1 - pb) + pc * (1 - pc)) / drafts)
+    gain = pb - pc
+    if gain <= noise:
+        return (line + f": +{gain:.3f} is within this measurement's noise (±{noise:.3f}, two standard errors over "
+                f"{drafts} drafts); keep the current wiring (--write not needed)")
+    return (line + f": +{gain:.3f} is beyond this measurement's noise (±{noise:.3f}, two standard errors over "
+            f"{drafts} drafts); run with --write to record it")
+
+
 def _tune(args) -> int:
-    from .draft_vocab import FILE_NAME
+    from ..draft_vocab import FILE_NAME
     from .tune import tune
 
     result = tune(args.model_dir, args.depths, args.max_tokens, args.repeats, args.write, args.vocab_text)
@@ -170,7 +195,7 @@ def _command(sub, name: str, run, text: str, model_dir: str = "model_dir") -> ar
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser with one sub-parser per command; every option's help gives its default and range."""
-    p = argparse.ArgumentParser(prog="mtp-plugin", description=__doc__,
+    p = argparse.ArgumentParser(prog="mtp-plugin", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('mtp-plugin')}")
     sub = p.add_subparsers(dest="command", required=True)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import CheckpointError, HeadLocation, find_head, trunk_headers
-from .conventions import describe_quantization
-from .diagnostics import head_statistics, judge
-from .plugins import hook
-from .validation import Validation, validate
+from ..checkpoint import CheckpointError, HeadLocation, find_head, trunk_headers
+from ..conventions import describe_quantization
+from ..diagnostics import head_statistics, judge
+from ..plugins import hook
+from ..validation import Validation, validate
 
 
 def trunk_quantization(location: HeadLocation, headers: dict) -> str:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import CheckpointError, find_head
-from .conventions import Contract
-from .files import check_new_output
-from .headfile import head_metadata, quantization_labels, quantize_head, write_atomically
-from .usage import GROUP_SIZES, HEAD_BITS, UsageError
-from .validation import validate
+from ..checkpoint import CheckpointError, find_head
+from ..conventions import Contract
+from ..files import check_new_output
+from ..headfile import head_metadata, quantization_labels, quantize_head, write_atomically
+from ..usage import GROUP_SIZES, HEAD_BITS, UsageError
+from ..validation import validate
 
 
 def extract(hf_dir: Path, out: Path, bits: int = 8, group_size: int = 64, force: bool = False) -> dict:

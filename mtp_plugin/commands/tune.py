@@ -20,11 +20,12 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from . import draft_vocab, measure, tuning
-from .checkpoint import CheckpointError
-from .files import check_replaceable
-from .plugins import hook
-from .usage import UsageError, check
+from .. import draft_vocab, tuning
+from ..checkpoint import CheckpointError
+from ..files import check_replaceable
+from ..plugins import hook
+from ..usage import UsageError, check
+from . import measure
 
 MARGIN = 0.02  # a depth is recommended only if at least 2 % faster than plain decoding
 
