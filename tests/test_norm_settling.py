@@ -19,7 +19,7 @@ from norm_cases import code_prompt, hf_sidecar, mixed_sidecar
 from test_batching import drain, insert, mtp_generator, stock_tokens
 
 from mtp_plugin import settle
-from mtp_plugin.verify import verify
+from mtp_plugin.commands.verify import verify
 
 BUILDERS = {"mixed": mixed_sidecar, "hf": hf_sidecar}
 PROMPT = code_prompt("textwrap", 3000, 400)  # 129 tokens: 127 scored positions
