@@ -25,6 +25,7 @@ from .mlx_lm_decoding import (
     mtp_generate_step,
     print_summary,
 )
+from .mlx_lm_download import fetch_head_files
 from .mlx_lm_server import patch_server
 from .patching import Patches, claiming, version_in_range, wrap_sanitizers
 
@@ -59,6 +60,7 @@ def mtp_patch_runtime(runtime):
         if not _patches.active:
             wrap_sanitizers(_patches, "mlx_lm")
             _patches.wrap(mlx_lm.utils, "load_model", _keep_head)
+            _patches.wrap(mlx_lm.utils, "_download", fetch_head_files)
             _patch_decoding()
         if runtime is None:
             importlib.import_module("mlx_lm.server")  # re-enters this hook through the post-import hook

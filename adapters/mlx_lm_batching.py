@@ -37,6 +37,7 @@ from mtp_plugin.batching import BatchDrafter, Row, Step
 from mtp_plugin.controller import PLAIN, DepthController
 from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH
 from mtp_plugin.drafter import Drafter
+from mtp_plugin.lockstep import NONE, Lockstep, group_of
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
 from mtp_plugin.tuning import start_depth
@@ -75,6 +76,7 @@ class BatchContext:
     options: dict = field(default_factory=dict)  # uid -> the server's MTPRequest (or None)
     heads: dict = field(default_factory=dict)  # uid -> HeadRow
     store: OrderedDict = field(default_factory=OrderedDict)  # tokens -> head of a finished request (``remember``)
+    lockstep: Lockstep | None = None  # a model sharded over ranks: rank 0 chooses the depth (``lockstep.py``)
     failed: str | None = None  # why batched MTP stopped after a fault of the plugin's (then every batch is stock)
     cycles: int = 0  # batched passes: cycles and plain steps
     row_cycles: int = 0  # rows × passes
@@ -167,6 +169,8 @@ def batching_model(model) -> BatchingModel | None:
     if ctx is None:
         start = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
         ctx = loaded.batching = BatchContext(trunk, BatchDrafter(trunk, loaded.module), loaded.health, start)
+        group = group_of(model)
+        ctx.lockstep = None if group is None else Lockstep(group)
     ctx.drafter.vocab = loaded.draft_vocab
     ctx.options.clear()  # request ids restart with each generator
     ctx.heads.clear()
@@ -375,10 +379,17 @@ class MTPGenerationBatch:
 
     def _depths(self, ctx: BatchContext, policy: DepthController) -> list[int]:
         """Each row's depth this cycle: its own, or the policy's (asked once) for rows that follow it; 0 for
-        every row once the head is parked."""
-        if ctx.health.parked:
+        every row once the head is parked. Ranks in lockstep take rank 0's policy's depth, after checking that
+        they hold the same rows at the same point (``lockstep.Lockstep.agree``)."""
+        parked = ctx.health.parked
+        auto = policy.next_depth() if not parked and any(r.depth is None for r in self.rows) else None
+        if ctx.lockstep is not None:
+            auto = ctx.lockstep.agree(NONE if auto is None else auto, {
+                "rows in the batch": len(self.rows), "tokens emitted": sum(self.num_tokens),
+                "whether the head is parked": int(bool(parked))})
+            auto = None if auto == NONE else auto
+        if parked:
             return [0] * len(self.rows)
-        auto = policy.next_depth() if any(r.depth is None for r in self.rows) else None
         return [auto if r.depth is None else r.depth for r in self.rows]
 
     def _end(self, i: int, token: int) -> str | None:

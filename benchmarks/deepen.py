@@ -30,9 +30,10 @@ in bfloat16, and ``rms_norm_eps`` is shared with the q/k and gated norms, whose 
 
 Writes ``DIR/model.safetensors`` (with mlx's own safetensors reader and writer, ``mx.load`` / ``mx.save_safetensors``,
 as mlx-lm saves its checkpoints: the ``safetensors`` package's mlx frontend goes through numpy, which has no bfloat16;
-every tensor of the source's ``*.safetensors``, head ``mtp.*`` and any vision tower
-unchanged), ``config.json`` (``num_hidden_layers``, ``layer_types``) and a copy of every other file (tokenizer,
-generation config, chat template), into a temporary directory beside DIR renamed into place when complete. Exit
+every tensor of the source's ``*.safetensors``, head ``mtp.*`` and any vision tower unchanged), its
+``model.safetensors.index.json`` (mlx-lm's pipeline ``sharded_load`` reads it), ``config.json``
+(``num_hidden_layers``, ``layer_types``) and a copy of every other file (tokenizer, generation config, chat
+template), into a temporary directory beside DIR renamed into place when complete. Exit
 status 2 on a usage error (DIR exists and is not empty without ``--force``, N below the source's depth), 1 when the
 source is not a checkpoint this script can deepen.
 """
@@ -203,6 +204,8 @@ def write(source: Path, out: Path, layers: int, dtype: str | None, force: bool, 
     try:
         deep = deepen_tensors(tensors, plan, DTYPES.get(dtype), progress)
         mx.save_safetensors(str(build / "model.safetensors"), deep, metadata=metadata)
+        index = {"metadata": {}, "weight_map": dict.fromkeys(sorted(deep), "model.safetensors")}
+        (build / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         (build / "config.json").write_text(json.dumps(deep_config(config, layers, dtype), indent=2) + "\n")
         for item in source.iterdir():
             if item.is_file() and item.suffix != ".safetensors" and item.name not in ("config.json", INDEX):

@@ -57,6 +57,7 @@ from .controller import PLAIN, FixedDepth
 from .drafter import Drafter
 from .drafter import log_softmax as _log_softmax
 from .health import HeadHealth
+from .lockstep import NONE, Lockstep, LockstepError
 from .stats import MTPStats
 
 DEFAULT_DEPTH = 2
@@ -481,6 +482,7 @@ def generate(
     health: HeadHealth | None = None,
     cache_step: Callable[[list], int | None] | None = None,
     draft_vocab=None,
+    lockstep: Lockstep | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Generate tokens with the head as drafter and the trunk as verifier (mlx-lm ``generate_step`` contract).
 
@@ -522,6 +524,9 @@ def generate(
             limit; 1: a plain step), and the loop drafts at most that many tokens minus one.
         draft_vocab: the head's ``draft_vocab.DraftVocabulary``: drafts come from its subset only (the trunk still
             verifies over the full vocabulary; q is zero outside the subset); None: the full vocabulary.
+        lockstep: for a trunk sharded over ranks (``lockstep.group_of``), the ranks' shared decisions: each cycle's
+            depth is rank 0's, the ranks' states are checked before every cycle is queued, and the random state is
+            shared at the start of a sampled generation; None on one process.
 
     Yields:
         ``(token, logprobs)``: token id (int) and the trunk's log-probs (V,) at its position.
@@ -529,12 +534,16 @@ def generate(
     Raises:
         ValueError: a fixed depth outside 1..8, a policy's depth outside 0..8, or an empty prompt.
         rollback.RollbackError: a cache that can neither be trimmed nor rolled back.
+        lockstep.LockstepError: the ranks of a sharded trunk disagree (on every rank; the caches are then left as
+            they are).
     """
     if isinstance(depth, int) and not 1 <= depth <= MAX_DEPTH:
         raise ValueError(f"draft depth must be 1..{MAX_DEPTH}, got {depth}")
     if prompt.size == 0:
         raise ValueError("MTP decoding needs at least one prompt token")
     policy = FixedDepth(depth) if isinstance(depth, int) else depth
+    if lockstep is not None and sampling is not None:
+        lockstep.share_seed()
     stats = stats if stats is not None else MTPStats(depth if isinstance(depth, int) else None)
     processors = list(logits_processors or [])
     callback = prompt_progress_callback or (lambda *_: None)
@@ -567,16 +576,23 @@ def generate(
 
     def ask(block: int) -> int | None:
         """Depth of the cycle after a block of at least ``block`` tokens (the committed cache's step run
-        first); None if that block ends generation."""
+        first); None if that block ends generation. Ranks in lockstep take rank 0's answer."""
         span = loop.after_pass()
         if max_tokens >= 0 and n + block >= max_tokens:
-            return None
-        if drafter.stopped:
-            return PLAIN
-        d = policy.next_depth()
-        if not 0 <= d <= MAX_DEPTH:
-            raise ValueError(f"depth policy chose depth {d}; it must be 0..{MAX_DEPTH}")
-        return d if span is None else min(d, span - 1)
+            d = None
+        elif drafter.stopped or loop.uncaptured:
+            d = PLAIN
+        else:
+            d = policy.next_depth()
+            if not 0 <= d <= MAX_DEPTH:
+                raise ValueError(f"depth policy chose depth {d}; it must be 0..{MAX_DEPTH}")
+            d = d if span is None else min(d, span - 1)
+        if lockstep is not None:
+            d = lockstep.agree(NONE if d is None else d, {
+                "tokens emitted": n + block, "whether the generation ends": int(d is None),
+                "whether the head drafts": int(not (drafter.stopped or loop.uncaptured))})
+            d = None if d == NONE else d
+        return d
 
     def queue(d: int | None):
         """What produces the next block, queued now: ``("plain", step)``, ``("cycle", started cycle)`` or None;
@@ -584,7 +600,7 @@ def generate(
         start = time.perf_counter()
         if d is None:
             return None, 0.0
-        cycle = None if d == PLAIN or loop.uncaptured else loop.launch(d)
+        cycle = None if d == PLAIN else loop.launch(d)
         queued = ("plain", loop.plain_step()) if cycle is None else ("cycle", cycle)
         return queued, time.perf_counter() - start
 
@@ -645,8 +661,12 @@ def generate(
             loop.commit(cycle, accepted)
             following, launch = queue(ask(accepted + 1 - emitted))
             policy.observe(cycle.depth, accepted, clock.lap() - launch + own_launch)
+    except LockstepError:
+        kind = "diverged"  # the ranks' caches no longer match: a pass to settle them would wait forever
+        raise
     finally:
-        _settle(loop, kind, cycle, accepted, following, emitted, stats)
+        if kind != "diverged":
+            _settle(loop, kind, cycle, accepted, following, emitted, stats)
 
 
 def _parks(health: HeadHealth, depth: int, outcome: int) -> bool:

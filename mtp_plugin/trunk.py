@@ -13,6 +13,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 
 from .hookspecs import hookimpl
+from .lockstep import Lockstep, gather_rows, group_of, sharded_rows
 
 
 def trunk_parts(model):
@@ -93,6 +94,7 @@ class StackTrunk:
     def __init__(self, model, contract, prompt: PromptInputs | None = None):
         self.text_model, _ = trunk_parts(model)
         self.lm_head = getattr(getattr(model, "language_model", model), "lm_head", None)
+        self.vocab_group = sharded_rows(self.lm_head)  # tensor parallel: this rank holds a slice of the rows
         self.pre_norm = contract.hidden == "pre_norm"
         self.mrope = multimodal(model)
         self.prompt, self.prompt_done = prompt, 0
@@ -123,7 +125,8 @@ class StackTrunk:
         """mRoPE position ids (3, 1, S), int32, of the next S text tokens without a runtime prompt pass (the
         head's checks at load time): offset of the first full-attention layer's KV cache (0 without a cache) +
         arange(S) on every axis, as mlx-vlm computes them for text (rope delta 0; Qwen2-VL ``get_rope_index``)."""
-        offset = 0 if cache is None else next(c.offset for layer, c in zip(self.text_model.layers, cache, strict=True)
+        layers = [layer for layer in self.text_model.layers if layer is not None]  # a pipeline stage's own
+        offset = 0 if cache is None else next(c.offset for layer, c in zip(layers, cache, strict=True)
                                               if not getattr(layer, "is_linear", False))
         return mx.broadcast_to(mx.arange(offset, offset + length, dtype=mx.int32), (3, 1, length))
 
@@ -145,23 +148,32 @@ class StackTrunk:
         return embeddings, self.prompt.head_positions(start, tokens.size)
 
     def logits(self, hidden):
-        """(…, V) logits through the lm_head, or the tied embedding."""
+        """(…, V) logits through the lm_head, or the tied embedding; a tensor-parallel lm_head's slices gathered
+        from every rank (as the runtime's own ``__call__`` gathers them)."""
         if self.lm_head is None:
             return self.text_model.embed_tokens.as_linear(hidden)
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        return logits if self.vocab_group is None else gather_rows(logits, self.vocab_group)
 
     def _projection(self):
         """The module whose rows are the vocabulary's: the lm_head, or the tied embedding."""
         return self.text_model.embed_tokens if self.lm_head is None else self.lm_head
 
     def vocab_size(self) -> int:
-        """V, the width of the logits (rows of the output projection)."""
-        return self._projection().weight.shape[0]
+        """V, the width of the logits: the rows of the output projection (times the ranks it is sharded over)."""
+        rows = self._projection().weight.shape[0]
+        return rows if self.vocab_group is None else rows * self.vocab_group.size()
 
     def logits_over(self, ids):
         """``hidden (…, H) -> logits (…, k)`` over token ``ids`` (k,) only: a copy of those rows of the output
         projection, made once (quantized rows stay quantized with their scales and biases; no re-quantization).
-        Each logit equals the full projection's at that id up to the order of accumulation."""
+        Each logit equals the full projection's at that id up to the order of accumulation.
+
+        Raises:
+            ValueError: the projection is sharded over ranks (tensor parallel): its rows are not all here.
+        """
+        if self.vocab_group is not None:
+            raise ValueError("a draft vocabulary needs the whole lm_head; this rank holds a slice of it")
         source = self._projection()
         rows = copy.copy(source)
         rows.update(tree_map(lambda a: a[ids], source.parameters()))
@@ -196,4 +208,6 @@ def mtp_generate_step(prompt, model, options):
         return None
     head, options = loaded.module, dict(options)
     trunk = StackTrunk(model, head.contract, options.pop("prompt_inputs", None))
-    return decoding.generate(prompt, trunk, head, health=loaded.health, draft_vocab=loaded.draft_vocab, **options)
+    group = group_of(model)
+    return decoding.generate(prompt, trunk, head, health=loaded.health, draft_vocab=loaded.draft_vocab,
+                             lockstep=None if group is None else Lockstep(group), **options)

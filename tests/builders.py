@@ -203,3 +203,26 @@ def quantized_sidecar_checkpoint(path: Path, files_from: Path, seed: int = 0) ->
         if (files_from / name).exists():
             shutil.copy(files_from / name, path / name)
     return path
+
+
+def untied_copy(source: Path, path: Path) -> Path:
+    """A copy of the converted checkpoint ``source`` (tied word embeddings) with an ``lm_head`` of its own, equal to
+    the embedding (quantized arrays copied as they are), so the logits and the head's drafts are unchanged; its
+    ``model.safetensors.index.json`` names the new tensors. Returns ``path``."""
+    import shutil
+
+    shutil.copytree(source, path)
+    config = json.loads((path / "config.json").read_text())
+    for level in (config, config.get("text_config", {})):
+        if "tie_word_embeddings" in level:
+            level["tie_word_embeddings"] = False
+    (path / "config.json").write_text(json.dumps(config))
+    weights = mx.load(str(path / "model.safetensors"))
+    embedding = "language_model.model.embed_tokens."
+    weights.update({"language_model.lm_head." + k[len(embedding):]: v for k, v in list(weights.items())
+                    if k.startswith(embedding)})
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: "model.safetensors" for k in sorted(weights)}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
+    return path

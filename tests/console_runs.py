@@ -16,6 +16,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from mtp_plugin.adapters.patching import release
+
 REPO = Path(__file__).resolve().parents[1]
 MLX4, HF = REPO / "examples" / "tiny-qwen3_5" / "mlx-4bit", REPO / "examples" / "tiny-qwen3_5" / "hf"
 BIN = Path(sys.executable).parent
@@ -27,6 +29,16 @@ MTP_LINE = re.compile(r"^MTP: depth=(\d+|auto) drafted=(\d+) accepted=(\d+) acce
                       r"tokens/cycle=([0-9.]+)(?: cycles=\S+ plain=\d+)?$", re.M)
 TEXT = re.compile(r"^==========\n(.*?)\n==========$", re.M | re.S)
 FIGURES = re.compile(r"[0-9.]+ (tokens-per-sec|GB)")
+# What the server tests send: short code prompts, as the bundled model was trained on.
+PROMPTS = ["def read_config(path):\n", "import os\n\n\ndef main():\n", "class Parser:\n    def __init__(self",
+           "for line in lines:\n", "    return self._", "# Copyright\nimport sys\n"]
+# mlx-lm < 0.32 right-pads the prompts it prefills together and its GatedDeltaNet state then reads the padding,
+# so stock itself answers a request that shared a prefill with a longer prompt differently from the same request
+# alone (measured: 2 of 8 rounds of the concurrent test on a stock 0.31.3 server). There the concurrent requests
+# use prompts of one token length, which both stock and the plugin answer as alone (0 of 10 rounds each).
+CONCURRENT = PROMPTS if release("mlx-lm") >= (0, 32) else [
+    "for line in lines:\n", "def main(args):\n", "import json\n", "while True:\n", "def parse(text):\n",
+    "class Reader:\n"]
 
 
 def environment(**extra: str) -> dict[str, str]:

@@ -13,20 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from console_runs import MLX4, REPO, environment
+from console_runs import CONCURRENT, MLX4, PROMPTS, REPO, environment
 from mlx_lm.tokenizer_utils import load as load_tokenizer
-from mtp_plugin.adapters.patching import release
 
-PROMPTS = ["def read_config(path):\n", "import os\n\n\ndef main():\n", "class Parser:\n    def __init__(self",
-           "for line in lines:\n", "    return self._", "# Copyright\nimport sys\n"]
 CHAT = [{"role": "user", "content": "def parse(text):"}]
-# mlx-lm < 0.32 right-pads the prompts it prefills together and its GatedDeltaNet state then reads the padding,
-# so stock itself answers a request that shared a prefill with a longer prompt differently from the same request
-# alone (measured: 2 of 8 rounds of the concurrent test on a stock 0.31.3 server). There the concurrent requests
-# use prompts of one token length, which both stock and the plugin answer as alone (0 of 10 rounds each).
-CONCURRENT = PROMPTS if release("mlx-lm") >= (0, 32) else [
-    "for line in lines:\n", "def main(args):\n", "import json\n", "while True:\n", "def parse(text):\n",
-    "class Reader:\n"]
 
 
 class Server:

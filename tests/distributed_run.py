@@ -1,0 +1,70 @@
+"""One rank of a two-rank MTP run under ``mlx.launch`` (``tests/test_distributed.py``): the model loaded by mlx-lm's
+``sharded_load`` (``pipeline`` or ``tensor``), decoded by ``stream_generate`` stock and with MTP, its results written
+as ``rank{r}.json`` in the output folder.
+
+Usage: ``mlx.launch --backend ring -n 2 -- python distributed_run.py MODEL_DIR {pipeline,tensor} OUT_DIR [hub]``
+
+With ``hub``, MODEL_DIR is served as a Hub repository (``hub.py``) into a snapshot folder per rank, so each rank gets
+the files ``sharded_load``'s download filter gives it (listed in its results).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import hub
+import mlx.core as mx
+import mlx_lm.utils
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import sharded_load
+
+import mtp_plugin.health
+from mtp_plugin.lockstep import LockstepError
+
+PROMPT = "def read_config(path):\n    \"\"\"Read a JSON configuration file.\"\"\"\n    with open(path) as f:\n"
+MAX_TOKENS = 32
+mtp_plugin.health.PROBE_DRAFTS = 0  # random heads keep drafting: every cycle is a verify pass to keep in lockstep
+
+
+def main() -> None:
+    model_dir, sharding, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    group = mx.distributed.init()
+    source, files = str(model_dir), None
+    if sys.argv[4:] == ["hub"]:
+        snapshot = out / f"snapshot-rank{group.rank()}"
+        mlx_lm.utils.snapshot_download = hub.snapshot_download(model_dir, snapshot)
+        source = hub.REPO_ID
+    model, tokenizer = sharded_load(source, group if sharding == "pipeline" else None,
+                                    group if sharding == "tensor" else None)
+    if source == hub.REPO_ID:
+        files = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab = config.get("text_config", config)["vocab_size"]
+    prompt = [t % vocab for t in tokenizer.encode(PROMPT)]  # the distilled next-n model has 256 tokens
+
+    def run(max_tokens: int = MAX_TOKENS, **options) -> dict:
+        tokens = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **options)]
+        stats = model.mtp_head.stats if model.mtp_head is not None else None
+        return {"tokens": tokens, "drafted": stats.drafted if stats is not None else 0}
+
+    subset = model.mtp_head.draft_vocab.size if model.mtp_head and model.mtp_head.draft_vocab else None
+    results = {"head": model.mtp_head is not None, "files": files, "draft vocabulary": subset,
+               "stock": run(enable_mtp=False), "depth 1": run(mtp_depth=1), "depth 3": run(mtp_depth=3),
+               "adaptive": run()}
+    mx.random.seed(100 + group.rank())  # seeds that differ by rank: the plugin shares rank 0's
+    results["sampled"] = run(mtp_depth=2, sampler=make_sampler(0.8))
+    mx.random.seed(5)
+    results["sampled, seed 5"] = run(mtp_depth=2, sampler=make_sampler(0.8))
+    mx.random.seed(5)
+    results["sampled, seed 5 again"] = run(mtp_depth=2, sampler=make_sampler(0.8))
+    try:  # rank 1 asks for fewer tokens: the ranks disagree where rank 1 would end
+        run(mtp_depth=2, max_tokens=MAX_TOKENS - 4 * group.rank())
+        results["disagreement"] = None
+    except LockstepError as e:
+        results["disagreement"] = str(e)
+    (out / f"rank{group.rank()}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

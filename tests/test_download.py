@@ -1,0 +1,45 @@
+"""The head's files arrive with the trunk's when mlx-lm fetches a checkpoint from the Hub
+(``adapters/mlx_lm_download.py``), served here from a local folder by ``hub.py``."""
+
+import importlib
+import json
+import shutil
+
+import mlx_lm.utils
+import pytest
+from console_runs import MLX4
+from hub import REPO_ID, snapshot_download
+from mtp_plugin.adapters.mlx_lm_download import head_files
+
+import mtp_plugin
+
+
+def test_head_files_of_a_sidecar_checkpoint():
+    assert head_files(MLX4) == ["model-mtp.safetensors", "mtp.safetensors", "mtp/weights.safetensors"]
+
+
+def test_head_files_include_the_shards_holding_head_tensors(tmp_path):
+    shutil.copy(MLX4 / "config.json", tmp_path)
+    weight_map = {"language_model.model.norm.weight": "model-00001-of-00002.safetensors",
+                  "mtp.fc.weight": "model-00002-of-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert "model-00002-of-00002.safetensors" in head_files(tmp_path)
+    assert "model-00001-of-00002.safetensors" not in head_files(tmp_path)
+
+
+def test_head_files_of_a_model_no_family_handles(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert head_files(tmp_path) == []
+    assert head_files(tmp_path / "missing") == []
+
+
+@pytest.mark.parametrize("patched", [True, False])
+def test_load_from_the_hub_fetches_the_sidecar(tmp_path, monkeypatch, patched):
+    download = snapshot_download(MLX4, tmp_path / "snapshot")
+    monkeypatch.setattr(mlx_lm.utils, "snapshot_download", download)
+    if not patched:
+        mtp_plugin.unpatch()
+    load = importlib.import_module("mlx_lm.utils").load
+    model, _ = load(REPO_ID)
+    assert (tmp_path / "snapshot" / "mtp.safetensors").exists() == patched  # stock's filter leaves the sidecar
+    assert (getattr(model, "mtp_head", None) is not None) == patched
