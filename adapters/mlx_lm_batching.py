@@ -25,6 +25,7 @@ trunk step on a copy of its cache (``_final_calls``), as stock's last step feeds
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -37,13 +38,13 @@ from mtp_plugin.batching import BatchDrafter, Row, Step
 from mtp_plugin.controller import PLAIN, DepthController
 from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH
 from mtp_plugin.drafter import Drafter
-from mtp_plugin.lockstep import NONE, Lockstep, group_of
+from mtp_plugin.lockstep import NONE, Lockstep, LockstepError, group_of
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
 from mtp_plugin.tuning import start_depth
 
 from .capture import rollback_ready
-from .mlx_lm_decoding import CAPTURED, CLI, SAMPLINGS
+from .mlx_lm_decoding import CAPTURED, CLI, SAMPLINGS, generation_stream
 from .mlx_lm_fallback import Resume, stock_batch
 
 log = logging.getLogger("mtp_plugin")
@@ -171,6 +172,10 @@ def batching_model(model) -> BatchingModel | None:
         ctx = loaded.batching = BatchContext(trunk, BatchDrafter(trunk, loaded.module), loaded.health, start)
         group = group_of(model)
         ctx.lockstep = None if group is None else Lockstep(group)
+    if ctx.lockstep is not None:  # every rank batches with MTP here; the ranks' draft vocabularies must match
+        stream = generation_stream()  # after whatever a previous batch left queued there
+        with mx.stream(stream) if stream is not None else contextlib.nullcontext():
+            ctx.lockstep.start(loaded, True, {})
     ctx.drafter.vocab = loaded.draft_vocab
     ctx.options.clear()  # request ids restart with each generator
     ctx.heads.clear()
@@ -403,7 +408,8 @@ class MTPGenerationBatch:
 
     def next(self) -> list:
         """One cycle (or, when no row drafts, one plain step pipelined as mlx-lm's): mlx-lm ``Response``s, one per
-        token of every row's block. A fault of the plugin's hands the rows to stock decoding (``_fall_back``)."""
+        token of every row's block. A fault of the plugin's hands the rows to stock decoding (``_fall_back``); ranks
+        of a sharded model that have drifted apart raise ``lockstep.LockstepError`` instead (on every rank)."""
         if not self.uids:
             return []
         ctx, start, rows = context_of(self), time.perf_counter(), self._resume()
@@ -419,6 +425,8 @@ class MTPGenerationBatch:
                 self.asked = depths
                 return self._settle(ctx)
             return self._cycle(ctx, policy, depths, start)
+        except LockstepError:  # the ranks have drifted apart: stock decoding of their rows would not match either
+            raise
         except Exception as error:
             self._fall_back(rows, error)
             return self.next()

@@ -22,6 +22,7 @@ import sys
 import weakref
 
 from mtp_plugin.decoding import MAX_DEPTH, Sampling
+from mtp_plugin.lockstep import Lockstep, group_of
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
 from mtp_plugin.tuning import depth_policy, sampled_policy
@@ -183,16 +184,39 @@ def mtp_generate_step(generate_step, captured: dict[str, bool]):
         enable_mtp = CLI["enabled"] if enable_mtp is None else enable_mtp
         if enable_mtp and loaded is None:
             warn_headless(model, CLI["depth"] if mtp_depth is None else mtp_depth)
+        options = None
+        stream = args[0] if args else kwargs.get("stream", generation_stream())
         if enable_mtp and loaded is not None and rollback_ready(captured, model_type):
             options = decoding_options(model, loaded, prompt, mtp_depth, {**defaults, **kwargs})
-            if options is not None:
-                generator = hook().mtp_generate_step(prompt=prompt, model=model, options=options)
-                if generator is not None:
-                    stream = args[0] if args else kwargs.get("stream", _generation_stream())
-                    return on_stream(generator, stream)
+        if loaded is not None and not agreed(model, loaded, prompt, options, kwargs.get("sampler"), stream):
+            options = loaded.stats = None
+        if options is not None:
+            generator = hook().mtp_generate_step(prompt=prompt, model=model, options=options)
+            if generator is not None:
+                return on_stream(generator, stream)
         return generate_step(prompt, model, *args, **kwargs)
 
     return wrapper
+
+
+def agreed(model, loaded, prompt, options: dict | None, sampler, stream) -> bool:
+    """Whether this generation may decode with MTP (``options`` not None) as far as the other ranks go: always, on one
+    process; for a model sharded over ranks (``lockstep.group_of``), only when every rank chose MTP, after checking
+    that every rank has the prompt's length and sampling (``lockstep.Lockstep.start``). The collective runs on the
+    generation's ``stream``, after the passes a previous generation may have left queued there.
+
+    Raises:
+        lockstep.LockstepError: on every rank, when the prompts' lengths or the sampling differ between ranks.
+    """
+    import mlx.core as mx
+
+    group = group_of(model)
+    if group is None:
+        return options is not None
+    sampled = sampler is not None and SAMPLINGS.get(sampler) is not None
+    state = {"the prompt's length": len(prompt), "whether the generation samples": int(sampled)}
+    with mx.stream(stream) if stream is not None else contextlib.nullcontext():
+        return Lockstep(group).start(loaded, options is not None, state)
 
 
 def warn_headless(model, depth) -> None:
@@ -206,7 +230,7 @@ def warn_headless(model, depth) -> None:
                 "which); decoding without MTP.", depth)
 
 
-def _generation_stream():
+def generation_stream():
     """mlx-lm's generation stream (None if this version has none)."""
     return getattr(sys.modules.get("mlx_lm.generate"), "generation_stream", None)
 

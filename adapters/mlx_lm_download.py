@@ -29,29 +29,36 @@ def head_files(model_dir: Path) -> list[str]:
     try:
         config = json.loads((model_dir / "config.json").read_text())
         index = json.loads((model_dir / INDEX).read_text()) if (model_dir / INDEX).exists() else {}
-    except (OSError, ValueError):
+        paths = [p for found in hook().mtp_sidecar_paths(model_dir=model_dir, config=config) for p in found]
+        names = {p.relative_to(model_dir).as_posix() for p in paths if p.is_relative_to(model_dir)}
+        model_type = config.get("model_type", "")
+        for name, file in (index.get("weight_map") or {}).items():
+            if hook().mtp_head_name(name=name, model_type=model_type, sidecar=False, config=config) is not None:
+                names.add(file)
+    except (OSError, ValueError, AttributeError, TypeError):  # not a checkpoint the families can read
         return []
-    if not isinstance(config, dict):
-        return []
-    names = {p.relative_to(model_dir).as_posix()
-             for paths in hook().mtp_sidecar_paths(model_dir=model_dir, config=config) for p in paths}
-    model_type = config.get("model_type", "")
-    for name, file in (index.get("weight_map") or {}).items():
-        if hook().mtp_head_name(name=name, model_type=model_type, sidecar=False, config=config) is not None:
-            names.add(file)
     return sorted(names)
+
+
+def offline() -> bool:
+    """Whether huggingface_hub is told not to reach the Hub (``HF_HUB_OFFLINE``): only cached files then."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return True
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def fetch_head_files(download):
     """Wrap mlx-lm's ``_download(path_or_hf_repo, revision=None, allow_patterns=None) -> Path``: after a fetch from
-    the Hub, fetch the head's missing files (``head_files``) too. Sidecar names that the repository does not have
-    match nothing; a failure to fetch (offline, say) is logged at debug level only, and the loader then says what
-    it found."""
+    the Hub, fetch the head's missing files (``head_files``) too; nothing more when huggingface_hub is offline.
+    Sidecar names that the repository does not have match nothing (one more listing of the repository); a failure to
+    fetch is logged at debug level only, and the loader then says what it found."""
 
     @functools.wraps(download)
     def wrapper(path_or_hf_repo, revision=None, allow_patterns=None):
         path = download(path_or_hf_repo, revision=revision, allow_patterns=allow_patterns)
-        if Path(path_or_hf_repo).exists():
+        if Path(path_or_hf_repo).exists() or offline():
             return path
         missing = [name for name in head_files(Path(path)) if not (Path(path) / name).exists()]
         if missing:

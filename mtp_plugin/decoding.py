@@ -662,7 +662,7 @@ def generate(
             following, launch = queue(ask(accepted + 1 - emitted))
             policy.observe(cycle.depth, accepted, clock.lap() - launch + own_launch)
     except LockstepError:
-        kind = "diverged"  # the ranks' caches no longer match: a pass to settle them would wait forever
+        kind = "diverged"  # the ranks no longer match: their caches are left as they are, unsettled
         raise
     finally:
         if kind != "diverged":

@@ -18,8 +18,13 @@ The same approach as mlx-lm's own distributed server, which shares each request 
 
 from __future__ import annotations
 
+import logging
+import zlib
+
 import mlx.core as mx
 import mlx.nn as nn
+
+log = logging.getLogger("mtp_plugin")
 
 SHARDED_LINEARS = tuple(getattr(nn, name) for name in (
     "AllToShardedLinear", "ShardedToAllLinear", "QuantizedAllToShardedLinear", "QuantizedShardedToAllLinear")
@@ -83,22 +88,19 @@ class Lockstep:
     def __init__(self, group: mx.distributed.Group):
         self.group, self.rank, self.size = group, group.rank(), group.size()
 
-    def agree(self, decision: int, state: dict[str, int]) -> int:
-        """Rank 0's ``decision``, after checking that every rank reports the same ``state``.
+    def table(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (int32; the same count on every rank), row r being rank r's: one ``all_gather`` on
+        the current stream (it waits for the work queued before it)."""
+        local = mx.array(values, dtype=mx.int32)
+        return mx.distributed.all_gather(local[None], group=self.group).tolist()
 
-        One ``all_gather`` of 1 + len(state) int32 on the current stream; it waits for the work queued before it.
-
-        Args:
-            decision: this rank's choice (a draft depth, 0 for a plain step, ``NONE``).
-            state: named integers that must be equal on every rank (same names, same order on every rank).
+    def check(self, table: list[list[int]], columns: dict[str, int]) -> None:
+        """Raise on every rank (all hold the same ``table``) when a named column differs between ranks.
 
         Raises:
-            LockstepError: on every rank, when a state value differs between ranks; it names the value and each
-                rank's.
+            LockstepError: names the first differing value (``columns``: name → column) and each rank's.
         """
-        local = mx.array([decision, *state.values()], dtype=mx.int32)
-        table = mx.distributed.all_gather(local[None], group=self.group).tolist()
-        for column, name in enumerate(state, start=1):
+        for name, column in columns.items():
             values = [row[column] for row in table]
             if len(set(values)) > 1:
                 raise LockstepError(
@@ -106,11 +108,51 @@ class Lockstep:
                     f"(rank by rank: {values}), so their next trunk passes would not match; the generation stops "
                     "here on every rank. Every rank must get the same prompt and options (a sampling seed set on "
                     "one rank only does not cause this: the seed is shared).")
+
+    def agree(self, decision: int, state: dict[str, int]) -> int:
+        """Rank 0's ``decision``, after checking that every rank reports the same ``state``: one ``table``.
+
+        Args:
+            decision: this rank's choice (a draft depth, 0 for a plain step, ``NONE``).
+            state: named integers that must be equal on every rank (same names, same order on every rank).
+
+        Raises:
+            LockstepError: on every rank, when a state value differs between ranks (``check``).
+        """
+        table = self.table([decision, *state.values()])
+        self.check(table, {name: column for column, name in enumerate(state, start=1)})
         return table[0][0]
 
     def share_seed(self) -> None:
-        """Seed every rank's random state from rank 0's key (``mx.random.state``, two uint32 read as one uint64, as
-        mlx-lm's server seeds its ranks): the next draws are the same everywhere."""
+        """Seed every rank's random state from rank 0's key (``mx.random.state``: two uint32 read as one uint64, as
+        mlx-lm's server reads the sum of its ranks' keys): the next draws are the same everywhere."""
         key = mx.random.state[0]
         mine = key if self.rank == 0 else mx.zeros_like(key)
         mx.random.seed(mx.distributed.all_sum(mine, group=self.group).view(mx.uint64).item())
+
+    def start(self, loaded, mtp: bool, state: dict[str, int]) -> bool:
+        """Agree, once per generation and before anything is queued, on whether it decodes with MTP and with which
+        draft vocabulary. A rank may decide otherwise from files of its own machine (a tuning record in its user
+        cache, ``MTP_PLUGIN_FULL_VOCAB``), and ranks that decode differently issue different collectives.
+
+        Args:
+            loaded: the model's ``loader.LoadedHead``; its ``draft_vocab`` is dropped, on every rank and with one
+                warning, unless every rank holds the same one.
+            mtp: whether this rank chose MTP decoding (True: it has its options).
+            state: named integers that must be equal on every rank (the prompt's length, whether it samples).
+
+        Returns:
+            True when every rank chose MTP; False: every rank decodes stock.
+
+        Raises:
+            LockstepError: on every rank, when a state value differs (``check``).
+        """
+        vocab = loaded.draft_vocab
+        signature = [0, 0] if vocab is None else [vocab.size, zlib.crc32(bytes(memoryview(vocab.ids))) & 0x7FFFFFFF]
+        table = self.table([int(mtp), *signature, *state.values()])
+        self.check(table, {name: column for column, name in enumerate(state, start=3)})
+        if vocab is not None and len({tuple(row[1:3]) for row in table}) > 1:
+            loaded.draft_vocab = None
+            log.warning("mtp_plugin: the ranks of the sharded model hold different draft vocabularies (tuned on one "
+                        "machine only?); every rank drafts over the full vocabulary")
+        return all(row[0] for row in table)

@@ -9,10 +9,12 @@ the files ``sharded_load``'s download filter gives it (listed in its results).
 """
 
 import json
+import logging
 import sys
 from pathlib import Path
 
 import hub
+import huggingface_hub.constants
 import mlx.core as mx
 import mlx_lm.utils
 from mlx_lm import stream_generate
@@ -32,6 +34,7 @@ def main() -> None:
     group = mx.distributed.init()
     source, files = str(model_dir), None
     if sys.argv[4:] == ["hub"]:
+        huggingface_hub.constants.HF_HUB_OFFLINE = False  # the Hub is this local folder, whatever the environment
         snapshot = out / f"snapshot-rank{group.rank()}"
         mlx_lm.utils.snapshot_download = hub.snapshot_download(model_dir, snapshot)
         source = hub.REPO_ID
@@ -43,7 +46,7 @@ def main() -> None:
     vocab = config.get("text_config", config)["vocab_size"]
     prompt = [t % vocab for t in tokenizer.encode(PROMPT)]  # the distilled next-n model has 256 tokens
 
-    def run(max_tokens: int = MAX_TOKENS, **options) -> dict:
+    def run(max_tokens: int = MAX_TOKENS, prompt: list[int] = prompt, **options) -> dict:
         tokens = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **options)]
         stats = model.mtp_head.stats if model.mtp_head is not None else None
         return {"tokens": tokens, "drafted": stats.drafted if stats is not None else 0}
@@ -58,11 +61,21 @@ def main() -> None:
     results["sampled, seed 5"] = run(mtp_depth=2, sampler=make_sampler(0.8))
     mx.random.seed(5)
     results["sampled, seed 5 again"] = run(mtp_depth=2, sampler=make_sampler(0.8))
-    try:  # rank 1 asks for fewer tokens: the ranks disagree where rank 1 would end
-        run(mtp_depth=2, max_tokens=MAX_TOKENS - 4 * group.rank())
-        results["disagreement"] = None
-    except LockstepError as e:
-        results["disagreement"] = str(e)
+    for name, options in {"disagreement": {"max_tokens": MAX_TOKENS - 4 * group.rank()},  # where rank 1 would end
+                          "prompt disagreement": {"prompt": prompt[group.rank():]}}.items():  # before the prefill
+        try:
+            run(mtp_depth=2, **options)
+            results[name] = None
+        except LockstepError as e:
+            results[name] = str(e)
+    warnings = []  # rank 1 without the draft vocabulary rank 0 has: every rank drops it, rank 0 says so
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("mtp_plugin").addHandler(handler)
+    if group.rank() == 1 and model.mtp_head.draft_vocab is not None:
+        model.mtp_head.draft_vocab = None
+    results["one rank's draft vocabulary"] = {**run(mtp_depth=2), "warnings": warnings,
+                                              "draft vocabulary": model.mtp_head.draft_vocab}
     (out / f"rank{group.rank()}.json").write_text(json.dumps(results))
 
 

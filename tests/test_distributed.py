@@ -165,8 +165,17 @@ def test_sampling_agrees_across_ranks(case):
 def test_disagreement_raises_on_every_rank(case):
     first, second, _ = case
     for rank in (first, second):
-        assert rank["disagreement"] is not None
         assert "disagree on whether the generation ends" in rank["disagreement"]
+        assert "disagree on the prompt's length" in rank["prompt disagreement"]
+
+
+def test_draft_vocabulary_of_one_rank_is_dropped_on_every_rank(case, request):
+    first, second, _ = case
+    run, other = first["one rank's draft vocabulary"], second["one rank's draft vocabulary"]
+    assert run["tokens"] == first["stock"]["tokens"] and run == {**other, "warnings": run["warnings"]}
+    assert run["draft vocabulary"] is None
+    dropped = ["hold different draft vocabularies" in w for w in run["warnings"]]
+    assert dropped == ([True] if "untied" in request.node.callspec.id else [])
 
 
 STOCK_WARNING = "mlx_lm.server is not recommended for production"  # mlx-lm's own, at every server start

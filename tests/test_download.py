@@ -5,6 +5,7 @@ import importlib
 import json
 import shutil
 
+import huggingface_hub.constants
 import mlx_lm.utils
 import pytest
 from console_runs import MLX4
@@ -33,13 +34,28 @@ def test_head_files_of_a_model_no_family_handles(tmp_path):
     assert head_files(tmp_path / "missing") == []
 
 
-@pytest.mark.parametrize("patched", [True, False])
-def test_load_from_the_hub_fetches_the_sidecar(tmp_path, monkeypatch, patched):
+@pytest.mark.parametrize("config, index", [
+    ({"model_type": "qwen3_5", "mtp_sidecar": "/elsewhere/mtp.safetensors"}, None),  # outside the folder: skipped
+    ({"model_type": "qwen3_5"}, {"weight_map": ["not", "a", "map"]}),
+    (["not", "an", "object"], None),
+])
+def test_head_files_of_odd_files_never_raise(tmp_path, config, index):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if index is not None:
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "/elsewhere/mtp.safetensors" not in head_files(tmp_path)
+
+
+@pytest.mark.parametrize("patched, offline", [(True, False), (False, False), (True, True)])
+def test_load_from_the_hub_fetches_the_sidecar(tmp_path, monkeypatch, patched, offline):
     download = snapshot_download(MLX4, tmp_path / "snapshot")
     monkeypatch.setattr(mlx_lm.utils, "snapshot_download", download)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
     if not patched:
         mtp_plugin.unpatch()
     load = importlib.import_module("mlx_lm.utils").load
     model, _ = load(REPO_ID)
-    assert (tmp_path / "snapshot" / "mtp.safetensors").exists() == patched  # stock's filter leaves the sidecar
-    assert (getattr(model, "mtp_head", None) is not None) == patched
+    fetched = patched and not offline  # stock's filter leaves the sidecar; offline, only what is cached
+    assert (tmp_path / "snapshot" / "mtp.safetensors").exists() == fetched
+    assert (getattr(model, "mtp_head", None) is not None) == fetched
+    assert len(download.calls) == 1 + fetched
