@@ -46,16 +46,16 @@ def test_head_files_of_odd_files_never_raise(tmp_path, config, index):
     assert "/elsewhere/mtp.safetensors" not in head_files(tmp_path)
 
 
-@pytest.mark.parametrize("patched, offline", [(True, False), (False, False), (True, True)])
-def test_load_from_the_hub_fetches_the_sidecar(tmp_path, monkeypatch, patched, offline):
+@pytest.mark.parametrize("plugin, offline", [(True, False), (False, False), (True, True)])
+def test_load_from_the_hub_fetches_the_sidecar(tmp_path, monkeypatch, plugin, offline):
     download = snapshot_download(MLX4, tmp_path / "snapshot")
     monkeypatch.setattr(mlx_lm.utils, "snapshot_download", download)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
-    if not patched:
-        mtp_plugin.unpatch()
+    if not plugin:
+        mtp_plugin.unpatch()  # conftest's autouse fixture ``patched`` patches again afterwards
     load = importlib.import_module("mlx_lm.utils").load
     model, _ = load(REPO_ID)
-    fetched = patched and not offline  # stock's filter leaves the sidecar; offline, only what is cached
+    fetched = plugin and not offline  # stock's filter leaves the sidecar; offline, only what is cached
     assert (tmp_path / "snapshot" / "mtp.safetensors").exists() == fetched
     assert (getattr(model, "mtp_head", None) is not None) == fetched
     assert len(download.calls) == 1 + fetched
