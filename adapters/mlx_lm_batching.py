@@ -1,7 +1,8 @@
 """mlx-lm adapter, continuous batching: MTP cycles inside mlx-lm's own ``BatchGenerator``.
 
 The server's ``BatchGenerator`` is given ``batching_model(model)`` (the model with a ``BatchContext``) when the
-model has a usable head (``mlx_lm_server.batch_with_mtp``); mlx-lm's scheduling (prompt batches, joins
+model has a usable head, or has none and the server drafts from the context (``--mtp-lookup``) on a trunk the rollback
+supports (``mlx_lm_server.batch_with_mtp``); mlx-lm's scheduling (prompt batches, joins
 between steps, ``remove`` on cancellation, prompt-cache extraction) is untouched. Three runtime pieces are
 replaced or wrapped, only for such a generator's batches:
 
@@ -37,10 +38,13 @@ import mlx.core as mx
 from mtp_plugin.batching import BatchDrafter, Row, Step
 from mtp_plugin.controller import PLAIN, DepthController
 from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH
-from mtp_plugin.drafter import Drafter
+from mtp_plugin.drafter import Drafter, PendingPairs
+from mtp_plugin.health import HeadHealth
 from mtp_plugin.lockstep import NONE, Lockstep, LockstepError, group_of
+from mtp_plugin.lookup import lookup_policy, verify_slope
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
+from mtp_plugin.trunk import LogitsTrunk
 from mtp_plugin.tuning import start_depth
 
 from .capture import rollback_ready
@@ -78,6 +82,7 @@ class BatchContext:
     heads: dict = field(default_factory=dict)  # uid -> HeadRow
     store: OrderedDict = field(default_factory=OrderedDict)  # tokens -> head of a finished request (``remember``)
     lockstep: Lockstep | None = None  # a model sharded over ranks: rank 0 chooses the depth (``lockstep.py``)
+    slope: float = 0.3  # the lookup policies' verify cost slope (``lookup.verify_slope``)
     failed: str | None = None  # why batched MTP stopped after a fault of the plugin's (then every batch is stock)
     cycles: int = 0  # batched passes: cycles and plain steps
     row_cycles: int = 0  # rows × passes
@@ -157,9 +162,13 @@ class BatchingModel:
 
 
 def batching_model(model) -> BatchingModel | None:
-    """``model`` wrapped for MTP batching, or None when it has no head whose trunk layers can be rolled back."""
+    """``model`` wrapped for MTP batching, or None when it has no head whose trunk layers can be rolled back (nor, for a
+    model without a head, lookup drafts: ``headless_context``)."""
     loaded = getattr(model, "mtp_head", None)
-    if loaded is None or not rollback_ready(CAPTURED, loaded.location.model_type):
+    if loaded is None:
+        ctx = headless_context(model)
+        return None if ctx is None else BatchingModel(model, ctx)
+    if not rollback_ready(CAPTURED, loaded.location.model_type):
         return None
     trunk = hook().mtp_trunk(model=model, contract=loaded.module.contract)
     if trunk is None:
@@ -169,7 +178,8 @@ def batching_model(model) -> BatchingModel | None:
         return None
     if ctx is None:
         start = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
-        ctx = loaded.batching = BatchContext(trunk, BatchDrafter(trunk, loaded.module), loaded.health, start)
+        ctx = loaded.batching = BatchContext(trunk, BatchDrafter(trunk, loaded.module), loaded.health, start,
+                                             slope=verify_slope(model))
         group = group_of(model)
         ctx.lockstep = None if group is None else Lockstep(group)
     if ctx.lockstep is not None:  # every rank batches with MTP here; the ranks' draft vocabularies must match
@@ -180,6 +190,27 @@ def batching_model(model) -> BatchingModel | None:
     ctx.options.clear()  # request ids restart with each generator
     ctx.heads.clear()
     return BatchingModel(model, ctx)
+
+
+def headless_context(model) -> BatchContext | None:
+    """The batching context of a model without a head when the server drafts from the context (``--mtp-lookup``) and its
+    trunk can be rolled back (its model type got capture points, or every cache trims), on one process; kept on the
+    model (``mtp_lookup_batching``) across generators. None otherwise: stock batching."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if not CLI["lookup"] or group_of(model) is not None:
+        return None
+    model_type = getattr(model, "model_type", None)
+    if not (CAPTURED.get(model_type) or all(c.is_trimmable() for c in make_prompt_cache(model))):
+        return None
+    ctx = getattr(model, "mtp_lookup_batching", None)
+    if ctx is None or ctx.failed:
+        trunk = LogitsTrunk(model)
+        ctx = BatchContext(trunk, BatchDrafter(trunk, None), HeadHealth("no head"), PLAIN, slope=verify_slope(model))
+        model.mtp_lookup_batching = ctx
+    ctx.options.clear()
+    ctx.heads.clear()
+    return ctx
 
 
 def context_of(batch) -> BatchContext | None:
@@ -320,7 +351,7 @@ class MTPGenerationBatch:
             heads.append(head.drafter.cache)
             row = _row(ctx, uid, last[i], head.carry, self.samplers[i], self.logits_processors[i],
                        prompts.tokens[i])
-            row.head_whole = head.whole
+            row.head_whole = head.whole and ctx.drafter.head is not None
             self.rows.append(row)
         self.head_cache = KVCache.merge(heads)
         log.debug("mtp_plugin: %d rows join MTP decoding", len(prompts.uids))
@@ -382,20 +413,33 @@ class MTPGenerationBatch:
         """Row ``idx``'s trunk caches, unbatched (they hold ``tokens[idx]``)."""
         return [c.extract(idx) for c in self.prompt_cache]
 
-    def _depths(self, ctx: BatchContext, policy: DepthController) -> list[int]:
+    def _depths(self, ctx: BatchContext, policy: DepthController, lookups: list) -> list[int]:
         """Each row's depth this cycle: its own, or the policy's (asked once) for rows that follow it; 0 for
         every row once the head is parked. Ranks in lockstep take rank 0's policy's depth, after checking that
-        they hold the same rows at the same point (``lockstep.Lockstep.agree``)."""
+        they hold the same rows at the same point, with the same ``lookups`` (``lockstep.Lockstep.agree``)."""
         parked = ctx.health.parked
         auto = policy.next_depth() if not parked and any(r.depth is None for r in self.rows) else None
         if ctx.lockstep is not None:
             auto = ctx.lockstep.agree(NONE if auto is None else auto, {
                 "rows in the batch": len(self.rows), "tokens emitted": sum(self.num_tokens),
-                "whether the head is parked": int(bool(parked))})
+                "whether the head is parked": int(bool(parked)), "the rows' lookup drafts": _drafted(lookups)})
             auto = None if auto == NONE else auto
         if parked:
             return [0] * len(self.rows)
         return [auto if r.depth is None else r.depth for r in self.rows]
+
+    def _lookups(self, behind: bool) -> list[tuple[list[int], int] | None]:
+        """Per row, the lookup drafts its policy finds worth verifying this cycle and their match length, or None
+        (``lookup.LookupPolicy.choose``; never more than the row's remaining tokens allow); ``behind``: a queued plain
+        step holds each row's next token, not read yet (``lookup.ContextIndex.propose``)."""
+        out = []
+        for i, row in enumerate(self.rows):
+            room = self.max_tokens[i] - self.num_tokens[i] - 1 - behind
+            drafts, match = row.lookup.index.propose(row.lookup.settings.max_len, behind) if (
+                row.lookup is not None and room > 0) else ([], 0)
+            take = row.lookup.choose(len(drafts), match, room) if drafts else 0
+            out.append((drafts[:take], match) if take else None)
+        return out
 
     def _end(self, i: int, token: int) -> str | None:
         """Why row i finishes on ``token``, its next emitted token (None: it goes on), by mlx-lm's rules:
@@ -418,13 +462,17 @@ class MTPGenerationBatch:
             return self.next()
         try:
             policy = ctx.policy(len(self.rows))
-            depths, self.asked = self.asked or self._depths(ctx, policy), None
-            if max(depths) == 0:
+            lookups = self._lookups(behind=self.ahead is not None)
+            asked, self.asked = self.asked, None
+            depths = asked or self._depths(ctx, policy, lookups)
+            if asked and ctx.lockstep is not None:  # the depths were agreed last call; the lookup drafts are new
+                ctx.lockstep.agree(0, {"the rows' lookup drafts": _drafted(lookups)})
+            if max(depths) == 0 and not any(lookups):
                 return self._plain(ctx, policy, start)
             if self.ahead is not None:  # leave pipelined plain steps: emit the queued tokens, draft next call
                 self.asked = depths
                 return self._settle(ctx)
-            return self._cycle(ctx, policy, depths, start)
+            return self._cycle(ctx, policy, depths, start, lookups)
         except LockstepError:  # the ranks have drifted apart: stock decoding of their rows would not match either
             raise
         except Exception as error:
@@ -447,14 +495,14 @@ class MTPGenerationBatch:
         stock = stock_batch(self.model.model, self.fallback_sampler, rows)
         self.__class__, self.__dict__ = type(stock), stock.__dict__  # the generator holds this object
 
-    def _cycle(self, ctx: BatchContext, policy, depths: list[int], start: float) -> list:
+    def _cycle(self, ctx: BatchContext, policy, depths: list[int], start: float, lookups) -> list:
         finished = [None] * len(self.rows)
 
         def ends(i: int, token: int) -> bool:
             finished[i] = self._end(i, token)
             return finished[i] is not None
 
-        verified = ctx.drafter.cycle(self.rows, self.prompt_cache, self.head_cache, depths, ends)
+        verified = ctx.drafter.cycle(self.rows, self.prompt_cache, self.head_cache, depths, ends, lookups)
         if verified.nonfinite:
             ctx.health.nonfinite()
         emitted = [len(block) for block in verified.blocks]
@@ -464,7 +512,16 @@ class MTPGenerationBatch:
         self._final_calls(ctx, finished, [n > a for n, a in zip(emitted, verified.accepted, strict=True)])
         seconds = (time.perf_counter() - start) / len(self.rows)
         for i, row in enumerate(self.rows):
-            d, a = verified.depths[i], verified.accepted[i]
+            d, a, match = verified.depths[i], verified.accepted[i], verified.matches[i]
+            if row.lookup is not None:
+                row.lookup.index.extend(verified.blocks[i])
+                if match:
+                    row.lookup.observe_lookup(match, d, a)
+                else:
+                    row.lookup.observe_other(d, a)
+            if match:
+                row.stats.record_lookup(min(a, emitted[i]), emitted[i], d)
+                continue
             if d:
                 row.stats.record(min(a, emitted[i]), emitted[i], d)
                 ctx.drafted, ctx.accepted = ctx.drafted + d, ctx.accepted + min(a, emitted[i])
@@ -523,6 +580,9 @@ class MTPGenerationBatch:
             row.keep(step.hidden[i : i + 1], step.tokens[i : i + 1])
             row.last = tokens[i]
             row.stats.plain += 1
+            if row.lookup is not None:
+                row.lookup.index.extend([tokens[i]])
+                row.lookup.observe_other(0, 0)
         return tokens
 
     def _respond(self, ctx: BatchContext, blocks: list[list[int]], logprobs: mx.array, finished) -> list:
@@ -555,16 +615,33 @@ def _row(ctx: BatchContext, uid: int, last: int, carry, sampler, processors, tok
     wanted = CLI["enabled"] if options is None or options.enabled is None else options.enabled
     depth = (options.depth if options is not None else None) or CLI["depth"] or None
     sampling = SAMPLINGS.get(sampler, False) if sampler is not None else None
+    headless = ctx.drafter.head is None
+    lookup = None
+    if wanted and sampling is not False:
+        asked = options.lookup if options is not None and options.lookup is not None else CLI["lookup"]
+        lookup = lookup_policy(asked, None, headless, ctx.slope)
+        if lookup is not None:
+            lookup.index.extend([*tokens, last])
     if not wanted or sampling is False:
         depth, sampling = 0, None
+    elif headless:
+        depth = 0  # lookup drafts (when on) or plain steps
     stats = MTPStats(depth or None)
     if options is not None and wanted:
         options.stats = stats
     row = Row(last, sampling=sampling, sampler=sampler, processors=list(processors or []),
-              history=mx.array(tokens, dtype=mx.uint32) if processors else None, depth=depth, stats=stats)
+              history=mx.array(tokens, dtype=mx.uint32) if processors else None, depth=depth, stats=stats,
+              lookup=lookup)
+    if headless:
+        row.pending = PendingPairs(window=0)  # no head: no pairs kept
     if carry is not None:
         row.keep(carry, mx.array([last], dtype=mx.uint32))
     return row
+
+
+def _drafted(lookups: list) -> int:
+    """The lookup draft tokens of a cycle's rows (``MTPGenerationBatch._lookups``)."""
+    return sum(len(looked[0]) for looked in lookups if looked is not None)
 
 
 def log_summary(ctx: BatchContext) -> None:

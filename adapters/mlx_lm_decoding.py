@@ -4,11 +4,13 @@
   anything else (no head, ``enable_mtp=False``, input embeddings, a custom sampler) is stock.
   ``mtp_depth`` 1..8 fixes the draft depth; 0 / None (automatic) runs the adaptive controller, starting
   from the depth ``mtp-plugin tune`` recorded for the model (``tuning.py``); a depth policy object is used
-  as given.
+  as given. ``mtp_lookup`` adds drafts from the context (``lookup.py``): on by default with a head; True also decodes
+  a model without one (a trunk the rollback supports) with lookup drafts only.
 * ``make_sampler`` is wrapped to describe the samplers it makes (temperature and filters, mlx-lm's
   own ``apply_*`` functions in mlx-lm's order) so that rejection sampling uses exactly that distribution.
 * ``generate`` is wrapped to print which head is used (stderr) and the MTP summary line after
-  mlx-lm's own figures; ``setup_arg_parser`` gains ``--mtp-depth N`` (0 = automatic) and ``--no-mtp``.
+  mlx-lm's own figures; ``setup_arg_parser`` gains ``--mtp-depth N`` (0 = automatic), ``--no-mtp`` and
+  ``--mtp-lookup`` / ``--no-mtp-lookup``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import weakref
 
 from mtp_plugin.decoding import MAX_DEPTH, Sampling
 from mtp_plugin.lockstep import Lockstep, group_of
+from mtp_plugin.lookup import MAX_LOOKUP, lookup_policy
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
 from mtp_plugin.tuning import depth_policy, sampled_policy
@@ -33,7 +36,7 @@ from .patching import release
 log = logging.getLogger("mtp_plugin")
 # mlx-lm < 0.32 shows logits processors only the tokens after the chunked prefill (measured on 0.31.3).
 PREFILL_IN_HISTORY = release("mlx-lm") >= (0, 32, 0)
-CLI = {"depth": 0, "enabled": True}  # set by --mtp-depth / --no-mtp; 0 = automatic
+CLI = {"depth": 0, "enabled": True, "lookup": None}  # set by --mtp-depth / --no-mtp / --[no-]mtp-lookup
 CAPTURED: dict[str, bool] = {}  # model type -> its layers needing capture points got them (``capture.install``)
 SAMPLINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sampler -> Sampling, None when greedy
 TOLD_HEADLESS: set[int] = set()  # ids of models told why an explicit depth decodes stock (``warn_headless``)
@@ -69,9 +72,11 @@ def describe_samplers(make_sampler):
     return wrapper
 
 
-def decoding_options(model, loaded, prompt, depth, kwargs) -> dict | None:
+def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured: bool = False) -> dict | None:
     """Options for ``mtp_generate_step`` from ``generate_step``'s keyword arguments (its defaults filled in),
-    or None for stock decoding.
+    or None for stock decoding. ``lookup``: the generation's ``mtp_lookup`` option (``lookup.lookup_policy``).
+    ``loaded`` None: a model without a head, decoded with lookup drafts only when it asks for them and its trunk can be
+    rolled back: ``captured`` (its model type got capture points) or every cache trimmable.
 
     Every stock option is honoured exactly: ``max_kv_size`` as ``make_prompt_cache`` does (Qwen3.5-family
     models build their own caches and ignore it), ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start``
@@ -82,7 +87,7 @@ def decoding_options(model, loaded, prompt, depth, kwargs) -> dict | None:
     so that a seed fixes its tokens.
 
     Raises:
-        ValueError: a bad ``mtp_depth`` (``tuning.depth_policy``).
+        ValueError: a bad ``mtp_depth`` (``tuning.depth_policy``) or ``mtp_lookup`` (``lookup.lookup_policy``).
     """
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
@@ -95,8 +100,11 @@ def decoding_options(model, loaded, prompt, depth, kwargs) -> dict | None:
     cache = kwargs["prompt_cache"]
     cache = make_prompt_cache(model, max_kv_size=kwargs["max_kv_size"]) if cache is None else cache
     max_tokens = kwargs["max_tokens"]
+    lookup = lookup_policy(lookup, model, loaded is None)
+    if loaded is None and (lookup is None or not (captured or all(c.is_trimmable() for c in cache))):
+        return None
     for c in cache:
-        if isinstance(c, RotatingKVCache) and (max_tokens < 0 or c.offset + len(prompt) + max_tokens + MAX_DEPTH
+        if isinstance(c, RotatingKVCache) and (max_tokens < 0 or c.offset + len(prompt) + max_tokens + MAX_LOOKUP
                                                >= c.max_size):
             log.warning("mtp_plugin: a rotating KV cache of %d tokens could wrap during this generation and "
                         "cannot be rolled back after a rejected draft; decoding without MTP.", c.max_size)
@@ -104,7 +112,9 @@ def decoding_options(model, loaded, prompt, depth, kwargs) -> dict | None:
     automatic = depth is None or (type(depth) is int and depth == 0)  # the CLI's --mtp-depth (0: adaptive)
     depth = CLI["depth"] if automatic else depth
     sampling = None if sampler is None else SAMPLINGS[sampler]  # None: greedy (also mlx-lm's temp=0 sampler)
-    if sampling is not None and automatic and not depth:
+    if loaded is None:
+        policy = 1  # no head: never asked (the loop drafts from the context or steps plain)
+    elif sampling is not None and automatic and not depth:
         # Sampling: the same seed must give the same tokens, as in stock mlx-lm, so the depth must not depend
         # on timing (the adaptive controller): decisions from counts only; tuned plain: stock decoding.
         policy = sampled_policy(loaded)
@@ -112,7 +122,9 @@ def decoding_options(model, loaded, prompt, depth, kwargs) -> dict | None:
             return None
     else:
         policy = depth_policy(depth, loaded)  # raises on a bad depth
-    loaded.stats = MTPStats(policy if isinstance(policy, int) else getattr(policy, "depth", None))
+    stats = MTPStats(None if loaded is None else policy if isinstance(policy, int) else getattr(policy, "depth", None))
+    if loaded is not None:
+        loaded.stats = stats
     return {
         "cache": cache,
         "head_cache": KVCache(),
@@ -123,7 +135,8 @@ def decoding_options(model, loaded, prompt, depth, kwargs) -> dict | None:
         "prefill_step_size": kwargs["prefill_step_size"],
         "prompt_progress_callback": kwargs["prompt_progress_callback"],
         "prefill_history": PREFILL_IN_HISTORY,
-        "stats": loaded.stats,
+        "stats": stats,
+        "lookup": lookup,
         "cache_step": kv_quantizer(kwargs["kv_bits"], kwargs["kv_group_size"], kwargs["quantized_kv_start"]),
     }
 
@@ -176,18 +189,22 @@ def mtp_generate_step(generate_step, captured: dict[str, bool]):
                 if p.kind is p.KEYWORD_ONLY}
 
     @functools.wraps(generate_step)
-    def wrapper(prompt, model, *args, mtp_depth=None, enable_mtp=None, **kwargs):
+    def wrapper(prompt, model, *args, mtp_depth=None, enable_mtp=None, mtp_lookup=None, **kwargs):
         loaded = getattr(model, "mtp_head", None)
-        model_type = loaded.location.model_type if loaded is not None else None
+        model_type = loaded.location.model_type if loaded is not None else getattr(model, "model_type", None)
         if loaded is not None:
             loaded.stats = None  # this generation's counters, None unless it decodes with MTP
         enable_mtp = CLI["enabled"] if enable_mtp is None else enable_mtp
-        if enable_mtp and loaded is None:
+        lookup = CLI["lookup"] if mtp_lookup is None else mtp_lookup
+        if enable_mtp and loaded is None and not lookup:
             warn_headless(model, CLI["depth"] if mtp_depth is None else mtp_depth)
         options = None
         stream = args[0] if args else kwargs.get("stream", generation_stream())
-        if enable_mtp and loaded is not None and rollback_ready(captured, model_type):
-            options = decoding_options(model, loaded, prompt, mtp_depth, {**defaults, **kwargs})
+        if enable_mtp and (loaded is not None or group_of(model) is None) and rollback_ready(captured, model_type):
+            options = decoding_options(model, loaded, prompt, mtp_depth, {**defaults, **kwargs}, lookup,
+                                       captured.get(model_type, False))
+        if loaded is None and (options is not None or hasattr(model, "mtp_lookup_stats")):
+            model.mtp_lookup_stats = None if options is None else options["stats"]  # a model without a head
         if loaded is not None and not agreed(model, loaded, prompt, options, kwargs.get("sampler"), stream):
             options = loaded.stats = None
         if options is not None:
@@ -249,8 +266,9 @@ def print_summary(generate):
             if kwargs.get("verbose") and enabled:
                 announce(loaded, kwargs.get("mtp_depth") or CLI["depth"])
         text = generate(model, tokenizer, prompt, *args, **kwargs)
-        if kwargs.get("verbose") and loaded is not None and loaded.stats is not None:
-            print(loaded.stats.summary())
+        stats = loaded.stats if loaded is not None else getattr(model, "mtp_lookup_stats", None)
+        if kwargs.get("verbose") and stats is not None:
+            print(stats.summary())
         return text
 
     return wrapper
@@ -266,16 +284,22 @@ class _SetCLI(argparse.Action):
 
 
 def add_mtp_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--mtp-depth N`` and ``--no-mtp`` to a runtime's parser; parsing them sets ``CLI``."""
+    """Add ``--mtp-depth N``, ``--no-mtp``, ``--mtp-lookup`` and ``--no-mtp-lookup`` to a runtime's parser; parsing them
+    sets ``CLI``."""
     parser.add_argument("--mtp-depth", dest="depth", type=int, default=0, action=_SetCLI, metavar="N",
                         choices=range(MAX_DEPTH + 1),
                         help=f"MTP draft depth 1-{MAX_DEPTH} (0: adaptive). Needs a checkpoint with an MTP head.")
     parser.add_argument("--no-mtp", dest="enabled", action=_SetCLI, nargs=0, const=False, default=True,
                         help="Decode without the MTP head even if the checkpoint has one.")
+    parser.add_argument("--mtp-lookup", dest="lookup", action=_SetCLI, nargs=0, const=True, default=None,
+                        help="Draft from the context too (prompt lookup), also on a model without an MTP head. "
+                             "Default: on with a head, off without.")
+    parser.add_argument("--no-mtp-lookup", dest="lookup", action=_SetCLI, nargs=0, const=False, default=None,
+                        help="Draft from the MTP head only.")
 
 
 def add_cli_flags(setup_arg_parser):
-    """Wrap ``setup_arg_parser``: add ``--mtp-depth`` and ``--no-mtp`` (they set ``CLI``)."""
+    """Wrap ``setup_arg_parser``: add the MTP flags (``add_mtp_arguments``; they set ``CLI``)."""
 
     @functools.wraps(setup_arg_parser)
     def wrapper(*args, **kwargs):

@@ -1,14 +1,16 @@
-"""mlx-lm adapter, server side: ``mlx_lm.server --plugin mtp [--mtp-depth N] [--no-mtp]``.
+"""mlx-lm adapter, server side: ``mlx_lm.server --plugin mtp [--mtp-depth N] [--no-mtp] [--[no-]mtp-lookup]``.
 
 * ``main`` takes the plugin's flags out of ``sys.argv`` before mlx-lm's own parser sees them.
-* Per request, ``"enable_mtp": bool`` and ``"mtp_depth": int`` (0-8, 0 = automatic) are read and
-  validated with the request's other parameters (a bad value is mlx-lm's usual 400 answer).
+* Per request, ``"enable_mtp": bool``, ``"mtp_depth": int`` (0-8, 0 = automatic) and ``"mtp_lookup": bool`` (drafts
+  from the context too) are read and validated with the request's other parameters (a bad value is mlx-lm's usual
+  400 answer). A model without a head drafts from the context when the server runs with ``--mtp-lookup``; on a
+  server without it, a request's ``mtp_lookup: true`` has that only on mlx-lm's single-request path.
 * Requests are batched as mlx-lm batches them; for a model with a usable head the server's
   ``BatchGenerator`` decodes with batched MTP cycles (``mlx_lm_batching``): each request's options give its
   row's depth (``enable_mtp: false``: plain tokens in the same verify pass). Requests mlx-lm serves on its
   single-request path (a seed, ``--kv-bits``, images) decode with single-stream MTP there.
-* The final response of a request to a model with a head carries llama.cpp's counters
-  ``timings.draft_n`` (draft tokens) and ``timings.draft_n_accepted`` (accepted draft tokens).
+* The final response of a request to a model with a head (or one that drafted from its context) carries llama.cpp's
+  counters ``timings.draft_n`` (draft tokens, the head's and lookup drafts) and ``timings.draft_n_accepted``.
 
 The request's options travel on mlx-lm's ``GenerationArguments`` object (attribute ``mtp``) from the
 HTTP handler thread to the generation thread.
@@ -55,11 +57,13 @@ class MTPRequest:
     Attributes:
         enabled: ``enable_mtp`` of the request, None for the server default (``--no-mtp``).
         depth: ``mtp_depth`` of the request; None or 0 for the server's ``--mtp-depth`` (0 there: automatic).
+        lookup: ``mtp_lookup`` of the request, None for the server default (``--[no-]mtp-lookup``).
         stats: the counters of its generation, None when it did not decode with MTP.
     """
 
     enabled: bool | None = None
     depth: int | None = None
+    lookup: bool | None = None
     stats: MTPStats | None = None
 
     @property
@@ -72,27 +76,31 @@ def parse_request(body: dict) -> MTPRequest:
     """The MTP options of a request body.
 
     Raises:
-        MTPRequestError: ``enable_mtp`` not a boolean, or ``mtp_depth`` not an integer in 0..8.
+        MTPRequestError: ``enable_mtp`` or ``mtp_lookup`` not a boolean, or ``mtp_depth`` not an integer in 0..8.
     """
-    enabled, depth = body.get("enable_mtp"), body.get("mtp_depth")
-    if enabled is not None and not isinstance(enabled, bool):
-        raise MTPRequestError(f"enable_mtp must be true or false, got {enabled!r}")
+    enabled, depth, lookup = body.get("enable_mtp"), body.get("mtp_depth"), body.get("mtp_lookup")
+    for name, value in (("enable_mtp", enabled), ("mtp_lookup", lookup)):
+        if value is not None and not isinstance(value, bool):
+            raise MTPRequestError(f"{name} must be true or false, got {value!r}")
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= MAX_DEPTH):
         raise MTPRequestError(f"mtp_depth must be an integer from 0 (server default) to {MAX_DEPTH}, got {depth!r}")
-    return MTPRequest(enabled, depth)
+    return MTPRequest(enabled, depth, lookup)
 
 
 SERVER_HELP = {  # mlx-lm's server decodes with MTP by default
     "plugin": "Enable a plugin; 'mtp' decodes with the checkpoint's MTP head (on by default).",
     "depth": f"MTP draft depth 1-{MAX_DEPTH} (0: automatic).",
     "off": "Serve without the MTP head.",
+    "lookup": "Draft from the context too (prompt lookup), also for a model without an MTP head. Default: on with a "
+              "head, off without.",
+    "no_lookup": "Draft from the MTP head only.",
 }
 
 
 def strip_cli_flags(main, prog: str = "mlx_lm.server", helps: dict = SERVER_HELP):
-    """Wrap a server's ``main`` (``mlx_lm.server``, ``mlx_vlm.server``): consume ``--plugin``, ``--mtp-depth`` and
-    ``--no-mtp`` from ``sys.argv`` (``CLI``); ``-h`` lists them, with ``helps`` (keys ``plugin``, ``depth``,
-    ``off``), before the server's own options."""
+    """Wrap a server's ``main`` (``mlx_lm.server``, ``mlx_vlm.server``): consume ``--plugin``, ``--mtp-depth``,
+    ``--no-mtp`` and ``--[no-]mtp-lookup`` from ``sys.argv`` (``CLI``); ``-h`` lists them, with ``helps`` (keys
+    ``plugin``, ``depth``, ``off``, ``lookup``, ``no_lookup``), before the server's own options."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -101,11 +109,14 @@ def strip_cli_flags(main, prog: str = "mlx_lm.server", helps: dict = SERVER_HELP
         parser.add_argument("--mtp-depth", type=int, default=0, choices=range(MAX_DEPTH + 1), metavar="N",
                             help=helps["depth"])
         parser.add_argument("--no-mtp", action="store_true", help=helps["off"])
+        parser.add_argument("--mtp-lookup", dest="lookup", action="store_const", const=True, help=helps["lookup"])
+        parser.add_argument("--no-mtp-lookup", dest="lookup", action="store_const", const=False,
+                            help=helps["no_lookup"])
         ours, rest = parser.parse_known_args(sys.argv[1:])
         if "-h" in rest or "--help" in rest:
             parser.print_help()
             print()
-        CLI["depth"], CLI["enabled"] = ours.mtp_depth, not ours.no_mtp
+        CLI["depth"], CLI["enabled"], CLI["lookup"] = ours.mtp_depth, not ours.no_mtp, ours.lookup
         sys.argv[1:] = rest
         return main(*args, **kwargs)
 
@@ -229,19 +240,21 @@ def serve_with_options(serve_single):
 
 def pass_options(stream_generate):
     """Wrap the server's ``stream_generate``: pass the current request's MTP options to ``generate_step`` and
-    keep the counters of its generation on the request."""
+    keep the counters of its generation on the request (a model without a head: when it drafts from the context)."""
 
     @functools.wraps(stream_generate)
     def wrapper(model, tokenizer, prompt, *args, **kwargs):
         options = getattr(_serving, "request", None)
         loaded = getattr(model, "mtp_head", None)
-        if options is None or loaded is None or kwargs.get("draft_model") is not None:  # a draft model: stock
-            yield from stream_generate(model, tokenizer, prompt, *args, **kwargs)
+        lookup = CLI["lookup"] if options is None or options.lookup is None else options.lookup
+        if options is None or (loaded is None and not lookup) or kwargs.get("draft_model") is not None:
+            yield from stream_generate(model, tokenizer, prompt, *args, **kwargs)  # a draft model: stock
             return
-        loaded.stats = None
-        kwargs.update(enable_mtp=options.wanted, mtp_depth=options.depth or None)
+        if loaded is not None:
+            loaded.stats = None
+        kwargs.update(enable_mtp=options.wanted, mtp_depth=options.depth or None, mtp_lookup=options.lookup)
         for response in stream_generate(model, tokenizer, prompt, *args, **kwargs):
-            options.stats = loaded.stats
+            options.stats = loaded.stats if loaded is not None else getattr(model, "mtp_lookup_stats", None)
             yield response
 
     return wrapper
@@ -287,10 +300,10 @@ def report_counters(make_response):
         final = "usage" in response or any(c.get("finish_reason") for c in response.get("choices", []))
         options = getattr(self, "mtp_request", None)
         model = self.response_generator.model_provider.model
-        if final and options is not None and getattr(model, "mtp_head", None) is not None:
-            stats = options.stats
-            response["timings"] = {"draft_n": stats.drafted if stats else 0,
-                                   "draft_n_accepted": stats.accepted if stats else 0}
+        stats = None if options is None else options.stats
+        if final and options is not None and (getattr(model, "mtp_head", None) is not None or stats is not None):
+            response["timings"] = {"draft_n": stats.drafted + stats.lookup_drafted if stats else 0,
+                                   "draft_n_accepted": stats.accepted + stats.lookup_accepted if stats else 0}
         return response
 
     return wrapper

@@ -31,6 +31,7 @@ import types
 
 import mlx.core as mx
 
+from mtp_plugin.lookup import lookup_policy
 from mtp_plugin.plugins import hook
 from mtp_plugin.stats import MTPStats
 from mtp_plugin.trunk import PromptInputs, multimodal
@@ -133,7 +134,8 @@ def _processors(ar, args: dict) -> list:
     return processors + list(args.get("logits_processors") or [])
 
 
-def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, positioned: bool | None = None) -> dict | None:
+def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, positioned: bool | None = None,
+                     lookup=None) -> dict | None:
     """Options for ``mtp_generate_step`` from bound ``generate_step`` arguments, or None for stock decoding.
 
     Args:
@@ -145,6 +147,10 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, position
         extra: its other keywords (those it passes on to the model), None values dropped.
         positioned: whether the sampler is mlx-vlm's position-keyed one (``mlx_vlm_sampling.sampling``); None: as
             ``generate_step`` chooses it.
+        lookup: the generation's ``mtp_lookup`` option (``lookup.lookup_policy``: None is on).
+
+    Raises:
+        ValueError: a bad depth or ``lookup``.
     """
     reason = _stock_reason(model, args, extra)
     if reason is not None:
@@ -182,6 +188,7 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, position
         "one_pass": not chunked,
         "prompt_progress_callback": prefill_bar() if chunked and args.get("verbose") else None,
         "stats": loaded.stats,
+        "lookup": lookup_policy(lookup, model, False),
         # a trunk without multimodal positions (Qwen3-Next) takes text only: its plain token pass is mlx-vlm's own
         "prompt_inputs": prompt_inputs(model, args, extra) if multimodal(model) else None,
     }
@@ -226,12 +233,14 @@ def mtp_generate_step(generate_step, ar, captured: dict[str, bool]):
     """Wrap mlx-vlm's ``generate_step(input_ids, model, pixel_values, mask, **kwargs)``: MTP for a text
     prompt to a model with a loaded head whose trunk can be rolled back (``capture.rollback_ready``).
 
-    Added keywords: ``enable_mtp`` (False: stock decoding) and ``mtp_depth`` (draft depth 1-8; None: adaptive);
-    when not given, the command line's ``--no-mtp`` / ``--mtp-depth`` (``CLI``) decide.
+    Added keywords: ``enable_mtp`` (False: stock decoding), ``mtp_depth`` (draft depth 1-8; None: adaptive) and
+    ``mtp_lookup`` (drafts from the context too: ``lookup.lookup_policy``); when not given, the command line's
+    ``--no-mtp`` / ``--mtp-depth`` / ``--[no-]mtp-lookup`` (``CLI``) decide.
     """
     @functools.wraps(generate_step)
-    def wrapper(input_ids, model, pixel_values, mask, *, mtp_depth=None, enable_mtp=None, **kwargs):
+    def wrapper(input_ids, model, pixel_values, mask, *, mtp_depth=None, enable_mtp=None, mtp_lookup=None, **kwargs):
         enable_mtp = CLI["enabled"] if enable_mtp is None else enable_mtp
+        mtp_lookup = CLI["lookup"] if mtp_lookup is None else mtp_lookup
         mtp_depth = (CLI["depth"] or None) if mtp_depth is None else mtp_depth
         loaded = getattr(model, "mtp_head", None)
         model_type = loaded.location.model_type if loaded is not None else None
@@ -241,7 +250,7 @@ def mtp_generate_step(generate_step, ar, captured: dict[str, bool]):
             warn_headless(model, mtp_depth)
         if enable_mtp and loaded is not None and rollback_ready(captured, model_type):
             named, extra = step_arguments(generate_step, input_ids, model, pixel_values, mask, **kwargs)
-            options = decoding_options(ar, model, loaded, mtp_depth, named, extra)
+            options = decoding_options(ar, model, loaded, mtp_depth, named, extra, lookup=mtp_lookup)
             if options is not None:
                 generator = hook().mtp_generate_step(prompt=input_ids[0], model=model, options=options)
                 if generator is not None:

@@ -8,7 +8,8 @@ not batched with each other or with the batch, and where MTP does not pay a lane
 even for a lone request (``benchmarks/server_load.py --runtime mlx_vlm``), so MTP is asked for: a
 request's ``enable_mtp: true`` or ``mtp_depth: N``, or the server's ``--mtp-depth N`` for requests that say
 nothing (``--no-mtp``: none; ``enable_mtp: false`` refuses a lane), validated as for mlx-lm
-(``mlx_lm_server.parse_request``).
+(``mlx_lm_server.parse_request``); a lane also drafts from its context unless the request says ``mtp_lookup: false``
+(or the server runs with ``--no-mtp-lookup``).
 
 A lane samples as the server's own sampler for that request (``ResponseGenerator._make_sampler``: the
 position-keyed sampler, keyed only with a ``seed``, or ``make_sampler`` with top-nσ, p-less or typical-p), by
@@ -54,6 +55,8 @@ SERVER_HELP = {  # a request decodes with MTP when it asks, or with --mtp-depth 
     "depth": f"Decode every request that names no MTP option with MTP at draft depth 1-{MAX_DEPTH} (0, the "
              "default: only requests that ask).",
     "off": "Decode with MTP only requests with \"enable_mtp\": true.",
+    "lookup": "An MTP request drafts from its context too (prompt lookup; the default).",
+    "no_lookup": "An MTP request drafts from the head only (a request's \"mtp_lookup\" decides for itself).",
 }
 
 
@@ -316,13 +319,15 @@ class Lanes:
             log.debug("mtp_plugin: server request with %s decodes in mlx-vlm's batch", reason)
             return None
         loaded = self.model.mtp_head
-        depth = (getattr(args, "mtp", None) or MTPRequest()).depth or CLI["depth"] or None
+        options = getattr(args, "mtp", None) or MTPRequest()
+        depth = options.depth or CLI["depth"] or None
         limit = max_tokens[0] if isinstance(max_tokens, list) else max_tokens or self.stock.max_tokens
         named, extra, positioned = self._arguments(args, limit, processors or [], keywords)
         input_ids = mx.array([prompt])
         known = {k: v for k, v in named.items() if k in inspect.signature(self.ar.generate_step).parameters}
         arguments, _ = step_arguments(self.ar.generate_step, input_ids, self.model, None, None, **known)
-        decoding = decoding_options(self.ar, self.model, loaded, depth, arguments, extra, positioned)
+        lookup = CLI["lookup"] if options.lookup is None else options.lookup
+        decoding = decoding_options(self.ar, self.model, loaded, depth, arguments, extra, positioned, lookup)
         if decoding is None:
             return None
         decoding["prefill_history"] = True  # the batch's processors see the whole prompt (its token context)

@@ -8,7 +8,10 @@ row's own accepted prefix (``rollback.Recorder.commit_rows``) without running a 
 Rows draft to different depths within one pass: a row's acceptance is computed on its own first d_r drafts
 only, so positions beyond them are verified and dropped (a row at depth 0 decodes one plain token). A row
 whose head output is not finite has every draft rejected inside the acceptance computation
-(``decoding.reject_nonfinite``), read in the same host sync; the caller then parks the head.
+(``decoding.reject_nonfinite``), read in the same host sync; the caller then parks the head. A row may verify drafts
+from its context instead (``lookup.py``; the caller chooses them): the head's draft steps run only as far as the rows
+drafting from it need, and a lookup row's drafts are a point-mass proposal (q one-hot when sampling). A model
+without a head batches rows that verify lookup drafts or step plain (``BatchDrafter`` with no head).
 
 The design follows vLLM's speculative decoding scheduler (per-row accepted lengths, one batched verify
 pass; ``vllm/v1/spec_decode``) on mlx-lm's batched caches, whose per-row left padding absorbs the tokens a
@@ -45,6 +48,7 @@ from .decoding import (
     reject_nonfinite,
 )
 from .drafter import PendingPairs, draft_logits, log_softmax, propose
+from .lookup import LookupPolicy
 from .stats import MTPStats
 
 
@@ -65,6 +69,8 @@ class Row:
         head_whole: whether the head's cache holds a pair for every context position from the first (a runtime
             may keep such a cache for later requests that reuse this one's context); False once a park longer
             than ``drafter.HISTORY_WINDOW`` dropped pairs.
+        lookup: the row's drafts from its context (``lookup.LookupPolicy``; its index holds every token up to
+            ``last``), or None.
     """
 
     last: int
@@ -76,6 +82,7 @@ class Row:
     depth: int | None = None
     stats: MTPStats = field(default_factory=MTPStats)
     head_whole: bool = True
+    lookup: LookupPolicy | None = None
 
     def keep(self, hidden: mx.array, tokens: mx.array) -> None:
         """Committed pairs (hidden (1, n, H), tokens (n,)) for the head's next feed (``pending``)."""
@@ -88,6 +95,8 @@ class Verified:
     """A cycle's outcome, read on the host: per row the accepted count, its block and the log-probs."""
 
     depths: list[int]  # per row, the drafts verified (0: a plain step)
+    matches: list[int]  # per row, the match length of its lookup drafts (0: drafts from the head, or none)
+    head_width: int  # draft steps the head ran for every row (its cache rows to drop)
     accepted: list[int]  # per row; a row whose block was cut on an accepted draft: the drafts read, len(block)
     blocks: list[list[int]]  # per row: its accepted drafts, then the correction or bonus token, cut where it ends
     logprobs: mx.array  # (B, D+1, V) trunk log-probs after each row's processors
@@ -122,7 +131,7 @@ class BatchDrafter:
 
     Args:
         trunk: the trunk functions (``decoding.Trunk``; batched inputs (B, S)).
-        head: the loaded head module.
+        head: the loaded head module, or None for a model without one (lookup drafts only).
 
     Attributes:
         vocab: the head's ``draft_vocab.DraftVocabulary`` (drafts from its subset only), or None; set by the runtime
@@ -202,7 +211,8 @@ class BatchDrafter:
         mx.async_eval(step.tokens, step.logprobs)
         return step
 
-    def cycle(self, rows: list[Row], cache: list, head_cache, depths: list[int], ends=None) -> Verified:
+    def cycle(self, rows: list[Row], cache: list, head_cache, depths: list[int], ends=None,
+              lookups: list[tuple[list[int], int] | None] | None = None) -> Verified:
         """Queue and run one cycle: draft, verify in one trunk pass, accept per row (one host sync; with rows that
         have logits processors, one per position they read: ``decoding.Walk``).
 
@@ -213,25 +223,38 @@ class BatchDrafter:
             depths: per row, the drafts wanted this cycle (0..8); a row with no pending pair decodes plain.
             ends: ``ends(i, token) -> bool``, called once for each token of row i's block, in order: True when the
                 row finishes on it (its block is cut there). None: no row finishes inside a block.
+            lookups: per row, ``(drafts, match)``: token ids from its context to verify instead of the head's drafts
+                (its depth is then ignored), and the length of the match that proposed them; None: the head's.
 
         Returns:
             The ``Verified`` outcome; caches are not yet committed (``commit``). A row's processors have seen its
             block's last token iff the pass fed it (``len(block) <= accepted``); for one that finishes on a token
             they have not seen, ``final_call`` makes that call.
         """
-        depths = [d if len(row.pending) else 0 for row, d in zip(rows, depths, strict=True)]
-        width = max(depths)
-        g = self._feed(rows, head_cache) if width else None  # parked rows keep their pairs for later
+        lookups = lookups or [None] * len(rows)
+        depths = [0 if looked is not None or not len(row.pending) else d
+                  for row, d, looked in zip(rows, depths, lookups, strict=True)]
+        head_width = max(depths)
+        g = self._feed(rows, head_cache) if head_width else None  # parked rows keep their pairs for later
         drafts, qs, finite = [], [], mx.array(True)
-        for k in range(width):
+        for k in range(head_width):
             finite = finite & mx.all(mx.isfinite(g), axis=(1, 2))  # (B,) once a row's output is seen
             x, q = self._choose(rows, g, depths)
             drafts.append(x)
             qs.append(q)
-            if k < width - 1:
+            if k < head_width - 1:
                 g = self.head(g, self.trunk.embed(x[:, None]), cache=head_cache, mask=head_cache.make_mask(1))
+        matches = [0 if looked is None else looked[1] for looked in lookups]
+        depths = [d if looked is None else len(looked[0]) for d, looked in zip(depths, lookups, strict=True)]
+        width = max(depths)
         last = mx.array([r.last for r in rows], dtype=mx.uint32)[:, None]
-        inputs = mx.concatenate([last, mx.stack(drafts, axis=1).astype(mx.uint32)], axis=1) if width else last
+        inputs = last
+        if width:
+            head = mx.stack(drafts, axis=1).astype(mx.uint32) if head_width else None
+            inputs = mx.concatenate([last, mx.stack([
+                mx.array(looked[0] + [0] * (width - len(looked[0])), dtype=mx.uint32) if looked is not None
+                else mx.pad(head[i], [(0, width - head_width)]) if head_width
+                else mx.zeros((width,), mx.uint32) for i, looked in enumerate(lookups)])], axis=1)
         recorder = None
         if width:
             with rollback.capturing(width + 1) as recorder:
@@ -242,10 +265,16 @@ class BatchDrafter:
         logprobs, accepted, tokens, walks = [], [], [], {}
         for i, row in enumerate(rows):
             d = depths[i]
+            q, row_finite = None, finite[i] if head_width else finite
+            if d and row.sampling is not None:
+                if matches[i]:  # a lookup row: a point mass at each draft (``decoding._Loop.launch_lookup``)
+                    q, row_finite = (mx.arange(logits.shape[-1])[None] == inputs[i, 1 : d + 1, None]).astype(
+                        mx.float32), mx.array(True)
+                else:
+                    q = mx.concatenate([qs[k][i] for k in range(d)], axis=0)
             if d and row.processors:  # read position by position below
-                q = mx.concatenate([qs[k][i] for k in range(d)], axis=0) if row.sampling is not None else None
                 walks[i] = Walk(logits[i, : d + 1], inputs[i, : d + 1], row.history, row.processors, row.sampling,
-                                q, finite[i])
+                                q, row_finite)
                 walks[i].process()
                 logprobs.append(None)
                 accepted.append(mx.array(0))
@@ -261,9 +290,8 @@ class BatchDrafter:
             if row.sampling is None:  # greedy: the block is the trunk's argmax whatever the drafts
                 a, block = accept_greedy(lp, row_drafts)
             else:
-                q = mx.concatenate([qs[k][i] for k in range(d)], axis=0)
-                a, block = accept_sampled(row.sampling.probs(lp), q, row_drafts, finite[i])
-            accepted.append(reject_nonfinite(a, finite[i]))
+                a, block = accept_sampled(row.sampling.probs(lp), q, row_drafts, row_finite)
+            accepted.append(reject_nonfinite(a, row_finite))
             tokens.append(mx.pad(block.astype(mx.uint32), [(0, width - d)]))
         accepted, tokens = mx.stack(accepted), mx.stack(tokens)
         mx.eval(accepted, tokens, [w.outcomes[-1] for w in walks.values()])
@@ -278,7 +306,8 @@ class BatchDrafter:
             lp = mx.stack(walks[i].logprobs)
             logprobs[i] = mx.pad(lp, [(0, width + 1 - lp.shape[0]), (0, 0)])
         logprobs = mx.stack(logprobs)
-        return Verified(depths, counts, blocks, logprobs, hidden, inputs, recorder, NONFINITE in outcomes)
+        return Verified(depths, matches, head_width, counts, blocks, logprobs, hidden, inputs, recorder,
+                        NONFINITE in outcomes)
 
     def final_call(self, row: Row, cache: list) -> None:
         """The processors' call for a finishing row's newest token ``row.last``, which no pass fed (a correction or
@@ -292,11 +321,10 @@ class BatchDrafter:
     def commit(self, rows: list[Row], cache: list, head_cache, verified: Verified, keep: list[int]) -> None:
         """Keep each row's first ``keep[b]`` verified inputs (1 ≤ keep[b] ≤ accepted+1): caches rolled back,
         the head given those pairs, ``last`` the token after them."""
-        width = max(verified.depths)
         if verified.recorder is not None:
             verified.recorder.commit_rows(cache, keep)
-        if width > 1:
-            head_cache.trim(width - 1)
+        if verified.head_width > 1:
+            head_cache.trim(verified.head_width - 1)
         for i, row in enumerate(rows):
             k = keep[i]
             block = mx.array(verified.blocks[i][:k], dtype=mx.uint32)

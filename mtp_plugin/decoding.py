@@ -58,10 +58,12 @@ from .drafter import Drafter
 from .drafter import log_softmax as _log_softmax
 from .health import HeadHealth
 from .lockstep import NONE, Lockstep, LockstepError
+from .lookup import LookupPolicy
 from .stats import MTPStats
 
 DEFAULT_DEPTH = 2
 MAX_DEPTH = 8
+LOOKUP = 100  # a cycle's decision code LOOKUP + L (L ≥ 1): verify L lookup drafts (a head depth is 0..MAX_DEPTH)
 log = logging.getLogger("mtp_plugin")
 
 
@@ -357,6 +359,7 @@ class _Cycle:
     tokens: mx.array | None  # (d+1,): the first accepted+1 are emitted
     recorder: rollback.Recorder
     walk: Walk | None = None
+    match: int = 0  # a lookup draft's match length (``lookup.ContextIndex``); 0: the head drafted
 
 
 class _Loop:
@@ -417,6 +420,22 @@ class _Loop:
         the generation goes on in plain steps (``uncaptured``)."""
         drafts, q, finite = self.drafter.draft(depth)
         mx.async_eval(drafts)  # the head runs while the verify pass is built
+        return self.verify(drafts, q, finite)
+
+    def launch_lookup(self, drafts: list[int], match: int) -> _Cycle | None:
+        """Queue a cycle verifying lookup ``drafts`` (token ids from ``lookup.ContextIndex``, found by a match of
+        ``match`` tokens), a point-mass proposal: when sampling, q is one-hot at each draft, so exact speculative
+        sampling accepts draft d with probability p(d) and its residual is p without d, renormalised. The head does
+        not run (its kept pairs are fed first if they would overflow its window: ``Drafter.catch_up``); None as for
+        ``launch``."""
+        self.drafter.catch_up(len(drafts) + 1)
+        return self.verify(mx.array(drafts, dtype=self.last.dtype), None, mx.array(True), match)
+
+    def verify(self, drafts: mx.array, q: mx.array | None, finite: mx.array, match: int = 0) -> _Cycle | None:
+        """Queue the verify pass of ``[last, drafts…]`` (drafts (D,); q (D, V) the head's distributions when sampling,
+        None for a point-mass proposal or greedy; ``finite`` scalar bool) and its acceptance; ``match`` as
+        ``_Cycle.match``. None as for ``launch``."""
+        depth = drafts.size
         inputs = mx.concatenate([self.last, drafts])
         undo = rollback.snapshot(self.cache)
         with rollback.capturing(inputs.size) as recorder:
@@ -428,10 +447,12 @@ class _Loop:
                         "decoding steps (the same tokens).")
             return None
         logits = self.trunk.trunk_logits(hidden[0])
+        if match and self.sampling is not None and self.sampling.keyed is None:
+            q = (mx.arange(logits.shape[-1])[None] == drafts[:, None]).astype(mx.float32)  # point mass (D, V)
         if self.processors:  # acceptance read position by position, as the block is yielded (``Walk``)
             walk = Walk(logits, inputs, self.history, self.processors, self.sampling, q, finite, self.position)
             mx.async_eval(logits)
-            return _Cycle(depth, inputs, hidden, walk.logprobs, None, None, recorder, walk)
+            return _Cycle(depth, inputs, hidden, walk.logprobs, None, None, recorder, walk, match)
         logprobs = _log_softmax(logits)
         if self.sampling is None:
             accepted, tokens = accept_greedy(logprobs, drafts)
@@ -441,14 +462,17 @@ class _Loop:
             accepted, tokens = accept_sampled(self.sampling.probs(logprobs), q, drafts, finite)
         accepted = reject_nonfinite(accepted, finite)  # greedy: tokens are the trunk's argmax either way
         mx.async_eval(accepted, tokens)
-        return _Cycle(depth, inputs, hidden, logprobs, accepted, tokens, recorder)
+        return _Cycle(depth, inputs, hidden, logprobs, accepted, tokens, recorder, match=match)
 
     def commit(self, cycle: _Cycle, accepted: int) -> None:
         """Keep the verified prefix: caches rolled back to ``inputs[:accepted+1]``, the head given the
         accepted pairs, ``last`` the cycle's correction or bonus token."""
         cycle.recorder.commit(self.cache, accepted + 1)
         self.position += accepted + 1
-        self.drafter.accept(cycle.depth, cycle.hidden[:, : accepted + 1], cycle.tokens[: accepted + 1])
+        if cycle.match:  # the head drafted nothing: its cache has no draft rows to drop
+            self.drafter.keep(cycle.hidden[:, : accepted + 1], cycle.tokens[: accepted + 1])
+        else:
+            self.drafter.accept(cycle.depth, cycle.hidden[:, : accepted + 1], cycle.tokens[: accepted + 1])
         if self.processors:
             self.history = mx.concatenate([self.history, cycle.inputs[: accepted + 1]])
         self.last = cycle.tokens[accepted : accepted + 1]
@@ -466,7 +490,7 @@ class _Loop:
 def generate(
     prompt: mx.array,
     trunk: Trunk,
-    head: nn.Module,
+    head: nn.Module | None,
     *,
     cache: list,
     head_cache,
@@ -483,6 +507,7 @@ def generate(
     cache_step: Callable[[list], int | None] | None = None,
     draft_vocab=None,
     lockstep: Lockstep | None = None,
+    lookup: LookupPolicy | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Generate tokens with the head as drafter and the trunk as verifier (mlx-lm ``generate_step`` contract).
 
@@ -496,10 +521,10 @@ def generate(
     Args:
         prompt: prompt token ids (T,), T ≥ 1.
         trunk: the trunk's hidden/embed/logits functions.
-        head: the loaded MTP head module.
+        head: the loaded MTP head module, or None for a model without one (then only ``lookup`` drafts).
         cache: the trunk's per-layer caches (updated in place; after the generator ends or is closed
             it holds the prompt and every yielded token, as plain decoding leaves it).
-        head_cache: an empty trimmable KV cache for the head.
+        head_cache: an empty trimmable KV cache for the head (None without a head).
         depth: a fixed draft depth d, 1 ≤ d ≤ 8, or a policy choosing it per cycle (adaptive depth).
         max_tokens: tokens to generate (-1: no limit).
         sampling: None for greedy, else the runtime sampler's temperature and filters.
@@ -527,12 +552,16 @@ def generate(
         lockstep: for a trunk sharded over ranks (``lockstep.group_of``), the ranks' shared decisions: each cycle's
             depth is rank 0's, the ranks' states are checked before every cycle is queued, and the random state is
             shared at the start of a sampled generation; None on one process.
+        lookup: drafts from the context as well (``lookup.LookupPolicy``, a fresh one per generation): before each
+            cycle, a lookup draft the policy finds worth its verify pass replaces the head's draft or the plain step,
+            verified and accepted by the same rules (a point-mass proposal when sampling); None: the head only.
 
     Yields:
         ``(token, logprobs)``: token id (int) and the trunk's log-probs (V,) at its position.
 
     Raises:
-        ValueError: a fixed depth outside 1..8, a policy's depth outside 0..8, or an empty prompt.
+        ValueError: a fixed depth outside 1..8, a policy's depth outside 0..8, an empty prompt, or neither a head nor
+            ``lookup``.
         rollback.RollbackError: a cache that can neither be trimmed nor rolled back.
         lockstep.LockstepError: the ranks of a sharded trunk disagree (on every rank; the caches are then left as
             they are).
@@ -541,6 +570,8 @@ def generate(
         raise ValueError(f"draft depth must be 1..{MAX_DEPTH}, got {depth}")
     if prompt.size == 0:
         raise ValueError("MTP decoding needs at least one prompt token")
+    if head is None and lookup is None:
+        raise ValueError("decoding without a head needs lookup drafts (lookup=LookupPolicy())")
     policy = FixedDepth(depth) if isinstance(depth, int) else depth
     if lockstep is not None and sampling is not None:
         lockstep.share_seed()
@@ -561,7 +592,7 @@ def generate(
         chunk = prompt[done : done + min(prefill_step_size, total - done - 1)]
         carry = drafter.prefill(carry, trunk.hidden(chunk[None], cache), chunk)
         loop.after_pass()
-        mx.eval([c.state for c in cache], head_cache.state if head_cache.offset else [])  # an empty cache: no state
+        mx.eval([c.state for c in cache], head_cache.state if head_cache is not None and head_cache.offset else [])
         done += chunk.size
         callback(done, total)
     chunk = prompt[done:]
@@ -571,15 +602,31 @@ def generate(
     loop.last = loop.pick(first)
     callback(total, total)
     drafter.keep(hidden[:, -1:], loop.last)
+    if lookup is not None:
+        lookup.index.extend(prompt.tolist())
 
     n = emitted = accepted = 0
+    proposal: list[int] = []  # the lookup drafts of the latest question, and their match length
+    match = 0
 
-    def ask(block: int) -> int | None:
-        """Depth of the cycle after a block of at least ``block`` tokens (the committed cache's step run
-        first); None if that block ends generation. Ranks in lockstep take rank 0's answer."""
+    def ask(block: int, behind: bool = False) -> int | None:
+        """What follows a block of at least ``block`` tokens (the committed cache's step run first): a head depth
+        (``PLAIN``: a plain step), ``LOOKUP`` + L for the first L drafts of ``proposal``, or None if that block ends
+        generation; ``behind``: the block's token is not read yet (``lookup.ContextIndex.propose``). Ranks in
+        lockstep take rank 0's answer."""
+        nonlocal proposal, match
         span = loop.after_pass()
+        room = max_tokens - n - block - 1 if max_tokens >= 0 else None  # drafts that could still be emitted
+        if span is not None:
+            room = span - 1 if room is None else min(room, span - 1)
+        take, proposal, match = 0, [], 0
+        if lookup is not None and not loop.uncaptured and (room is None or room > 0):
+            proposal, match = lookup.index.propose(lookup.settings.max_len, behind)
+            take = lookup.choose(len(proposal), match, room) if proposal else 0
         if max_tokens >= 0 and n + block >= max_tokens:
             d = None
+        elif take:
+            d = LOOKUP + take
         elif drafter.stopped or loop.uncaptured:
             d = PLAIN
         else:
@@ -587,10 +634,11 @@ def generate(
             if not 0 <= d <= MAX_DEPTH:
                 raise ValueError(f"depth policy chose depth {d}; it must be 0..{MAX_DEPTH}")
             d = d if span is None else min(d, span - 1)
-        if lockstep is not None:
+        if lockstep is not None:  # equal contexts and options give equal lookup drafts
             d = lockstep.agree(NONE if d is None else d, {
                 "tokens emitted": n + block, "whether the generation ends": int(d is None),
-                "whether the head drafts": int(not (drafter.stopped or loop.uncaptured))})
+                "whether the head drafts": int(not (drafter.stopped or loop.uncaptured)),
+                "the lookup draft's length": len(proposal)})
             d = None if d == NONE else d
         return d
 
@@ -600,15 +648,20 @@ def generate(
         start = time.perf_counter()
         if d is None:
             return None, 0.0
-        cycle = None if d == PLAIN else loop.launch(d)
+        if d >= LOOKUP:
+            cycle = loop.launch_lookup(proposal[: d - LOOKUP], match)
+        else:
+            cycle = None if d == PLAIN else loop.launch(d)
         queued = ("plain", loop.plain_step()) if cycle is None else ("cycle", cycle)
         return queued, time.perf_counter() - start
 
     # Each block's successor is queued before the block is yielded (and, after a plain step or the prompt
     # pass, before its token is read), as mlx-lm queues step t+1 before reading token t.
     kind, cycle, block_logprobs = "first", None, first
-    following, launch = queue(ask(1))
+    following, launch = queue(ask(1, behind=True))
     block = loop.last.tolist()
+    if lookup is not None:
+        lookup.index.extend(block)
     clock = _Stopwatch()
     try:
         while True:
@@ -622,7 +675,7 @@ def generate(
                 if n == max_tokens:
                     return
             if kind == "cycle":
-                stats.record(accepted, emitted, cycle.depth)
+                _record(stats, cycle, accepted, emitted)
             elif kind == "plain":
                 stats.plain += 1
             emitted = 0
@@ -631,9 +684,12 @@ def generate(
             if kind == "plain":
                 loop.take_plain(item)
                 block_logprobs = item[1]
-                following, launch = queue(ask(1))
+                following, launch = queue(ask(1, behind=True))
                 block = loop.last.tolist()
                 policy.observe(PLAIN, 0, clock.lap() - launch + own_launch)
+                if lookup is not None:
+                    lookup.index.extend(block)
+                    lookup.observe_other(PLAIN, 0)
                 continue
             cycle = item
             if cycle.walk is None:
@@ -654,19 +710,36 @@ def generate(
                     token, ok = walk.read()
                 outcome = emitted if walk.finite_read else NONFINITE
                 cycle.tokens = mx.concatenate(walk.tokens)
-            if _parks(health, cycle.depth, outcome):
+            if not cycle.match and _parks(health, cycle.depth, outcome):
                 drafter.stop()
             accepted = max(outcome, 0)
-            block, block_logprobs = cycle.tokens[emitted : accepted + 1].tolist(), cycle.logprobs
+            committed = cycle.tokens[: accepted + 1].tolist()
+            block, block_logprobs = committed[emitted:], cycle.logprobs
             loop.commit(cycle, accepted)
+            if lookup is not None:
+                lookup.index.extend(committed)
             following, launch = queue(ask(accepted + 1 - emitted))
-            policy.observe(cycle.depth, accepted, clock.lap() - launch + own_launch)
+            seconds = clock.lap() - launch + own_launch
+            if cycle.match:
+                lookup.observe_lookup(cycle.match, cycle.depth, accepted)
+                continue
+            policy.observe(cycle.depth, accepted, seconds)
+            if lookup is not None:
+                lookup.observe_other(cycle.depth, accepted)
     except LockstepError:
         kind = "diverged"  # the ranks no longer match: their caches are left as they are, unsettled
         raise
     finally:
         if kind != "diverged":
             _settle(loop, kind, cycle, accepted, following, emitted, stats)
+
+
+def _record(stats: MTPStats, cycle: _Cycle, accepted: int, emitted: int) -> None:
+    """Count a cycle on ``stats``: a head cycle by its depth, a lookup cycle apart."""
+    if cycle.match:
+        stats.record_lookup(accepted, emitted, cycle.depth)
+    else:
+        stats.record(accepted, emitted, cycle.depth)
 
 
 def _parks(health: HeadHealth, depth: int, outcome: int) -> bool:
@@ -693,7 +766,7 @@ def _settle(loop: _Loop, kind: str, cycle: _Cycle | None, accepted: int, followi
     if kind == "plain":
         stats.plain += 1
     elif kind == "cycle":
-        stats.record(min(accepted, emitted), emitted, cycle.depth)
+        _record(stats, cycle, min(accepted, emitted), emitted)
     pending = []  # the processors' call for the newest yielded token, where it was not made yet
     if kind != "cycle" or emitted == accepted + 1:  # the newest token was yielded: it must be in the cache
         if following is None:

@@ -47,7 +47,7 @@ class PendingPairs:
         if excess <= 0:
             return False
         self.count = self.window
-        while self.chunks[0][1].size <= excess:
+        while self.chunks and self.chunks[0][1].size <= excess:  # a window of 0 keeps nothing
             excess -= self.chunks.pop(0)[1].size
         if excess:
             hidden, tokens = self.chunks[0]
@@ -104,7 +104,8 @@ class Drafter:
     """Drafting with a loaded MTP head.
 
     Args:
-        head: the head module, ``head(hidden (1, S, H), embeddings (1, S, H), cache) -> (1, S, H)``.
+        head: the head module, ``head(hidden (1, S, H), embeddings (1, S, H), cache) -> (1, S, H)``; None for a model
+            without one (``stopped`` from the start: the loop drafts from the context only).
         trunk: the trunk's ``embed`` / ``logits`` functions (``decoding.Trunk``).
         cache: the head's empty trimmable KV cache.
         sampling: None for greedy drafts, else a ``decoding.Sampling`` (drafts drawn from q).
@@ -114,7 +115,7 @@ class Drafter:
     def __init__(self, head: nn.Module, trunk, cache, sampling=None, vocab=None):
         self.head, self.trunk, self.cache, self.sampling, self.vocab = head, trunk, cache, sampling, vocab
         self.pending = PendingPairs()
-        self.stopped = False
+        self.stopped = head is None  # no head: lookup drafts and plain steps only
         self.committed = 0  # pairs committed so far: the next one's hidden is that of token ``committed``
 
     def feed(self, hidden: mx.array, tokens: mx.array, start: int) -> mx.array:
@@ -136,11 +137,11 @@ class Drafter:
         """
         pairs_hidden = hidden[:, :-1] if carry is None else mx.concatenate([carry, hidden[:, :-1]], axis=1)
         pairs_tokens = tokens[1:] if carry is None else tokens
-        if pairs_tokens.size:
+        if pairs_tokens.size and not self.stopped:
             if self.committed == 0:
                 settle.on_prompt(self.head, self.trunk, pairs_hidden, pairs_tokens, self.cache)
             self.feed(pairs_hidden, pairs_tokens, self.committed)
-            self.committed += pairs_tokens.size
+        self.committed += pairs_tokens.size
         return hidden[:, -1:]
 
     def keep(self, hidden: mx.array, tokens: mx.array) -> None:
@@ -153,6 +154,14 @@ class Drafter:
     def stop(self) -> None:
         """Draft no more in this generation: kept pairs are dropped and no more are kept."""
         self.stopped, self.pending = True, PendingPairs()
+
+    def catch_up(self, room: int) -> None:
+        """Feed the kept pairs now if ``room`` more (a cycle that drafts without the head: a lookup draft) could push
+        older ones out of the window; the head's cache update is queued, not waited for."""
+        if self.stopped or len(self.pending) + room <= self.pending.window:
+            return
+        hidden, tokens = self.pending.take()
+        mx.async_eval(self.feed(hidden, tokens, self.committed - tokens.size))
 
     def draft(self, depth: int) -> tuple[mx.array, mx.array | None, mx.array]:
         """Queue ``depth`` draft steps after feeding every kept pair.

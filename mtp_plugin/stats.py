@@ -20,6 +20,8 @@ class MTPStats:
         reached: per draft position k (index k-1), cycles whose drafts 1..k-1 were all accepted.
         accepted_at: per draft position k, cycles whose draft k was accepted.
         depths: the draft depth of each cycle, in order.
+        lookup_cycles, lookup_drafted, lookup_accepted, lookup_emitted: the same counts for cycles that verified
+            drafts from the context (``lookup.py``) instead of the head's (not in the counts above).
     """
 
     depth: int | None = None
@@ -31,6 +33,17 @@ class MTPStats:
     reached: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
+    lookup_cycles: int = 0
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
+    lookup_emitted: int = 0
+
+    def record_lookup(self, accepted: int, emitted: int, drafted: int) -> None:
+        """One cycle verifying ``drafted`` lookup drafts, ``accepted`` of them accepted, ``emitted`` tokens emitted."""
+        self.lookup_cycles += 1
+        self.lookup_drafted += drafted
+        self.lookup_accepted += accepted
+        self.lookup_emitted += emitted
 
     def record(self, accepted: int, emitted: int, depth: int | None = None) -> None:
         """One cycle: ``accepted`` leading drafts accepted, ``emitted`` tokens emitted, at draft depth ``depth``
@@ -52,7 +65,8 @@ class MTPStats:
 
     def add(self, other: MTPStats) -> None:
         """Accumulate another generation's counts into this one (the depths of both are kept)."""
-        for name in ("cycles", "drafted", "accepted", "emitted", "plain"):
+        for name in ("cycles", "drafted", "accepted", "emitted", "plain", "lookup_cycles", "lookup_drafted",
+                     "lookup_accepted", "lookup_emitted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("reached", "accepted_at"):
             mine, theirs = getattr(self, name), getattr(other, name)
@@ -78,16 +92,22 @@ class MTPStats:
 
     @property
     def passes_per_token(self) -> float:
-        """Trunk forward passes per token emitted after the first (cycles and plain steps alike)."""
-        tokens = self.emitted + self.plain
-        return (self.cycles + self.plain) / tokens if tokens else 0.0
+        """Trunk forward passes per token emitted after the first (head and lookup cycles and plain steps alike)."""
+        tokens = self.emitted + self.plain + self.lookup_emitted
+        return (self.cycles + self.plain + self.lookup_cycles) / tokens if tokens else 0.0
 
     def summary(self) -> str:
         """The line ``mlx_lm.generate`` prints: ``MTP: depth=2 drafted=120 accepted=96 …``; an adaptive
         generation says ``depth=auto`` and adds the cycles run at each depth and the plain tokens."""
+        if not self.cycles and self.lookup_cycles:  # no head drafted (a model without one)
+            return (f"MTP lookup: drafted={self.lookup_drafted} accepted={self.lookup_accepted} "
+                    f"cycles={self.lookup_cycles} plain={self.plain}")
         line = (f"MTP: depth={self.depth or 'auto'} drafted={self.drafted} accepted={self.accepted} "
                 f"acceptance={self.acceptance:.3f} tokens/cycle={self.tokens_per_cycle:.2f}")
         if self.depth is None:
             counts = sorted(Counter(self.depths).items())
             line += f" cycles={','.join(f'd{d}:{n}' for d, n in counts) or '-'} plain={self.plain}"
+        if self.lookup_cycles:
+            line += (f" lookup: cycles={self.lookup_cycles} drafted={self.lookup_drafted} "
+                     f"accepted={self.lookup_accepted}")
         return line

@@ -185,6 +185,28 @@ class StackTrunk:
         return self.logits(self.text_model.norm(hidden) if self.pre_norm else hidden)
 
 
+class LogitsTrunk:
+    """The trunk of a model decoded without a head (lookup drafts only): every pass is the runtime model's own call,
+    whose logits stand in for the hidden states (nothing consumes hidden states without a head), so each verified
+    position gets exactly the logits the runtime's plain loop computes, whatever the architecture (softcaps, logit
+    scales and tied or untied projections included).
+
+    Args:
+        model: the runtime's model, ``model(tokens (1, S), cache=cache) -> logits (1, S, V)``.
+    """
+
+    def __init__(self, model):
+        self.model = model
+
+    def hidden(self, tokens, cache):
+        """The logits (1, S, V) of tokens (1, S), advancing cache."""
+        return self.model(tokens, cache=cache)
+
+    def trunk_logits(self, hidden):
+        """``hidden`` itself: the pass returned logits."""
+        return hidden
+
+
 def _loaded(model, drafting: bool = False):
     """``model``'s loaded head (``loader.LoadedHead``), or None; with ``drafting``, None too once it is parked."""
     loaded = getattr(model, "mtp_head", None)
@@ -200,12 +222,16 @@ def mtp_trunk(model, contract):
 @hookimpl(trylast=True)
 def mtp_generate_step(prompt, model, options):
     """``decoding.generate`` over a ``StackTrunk`` for any model with a head that drafts (a family with its own loop
-    answers first); None (stock decoding) once the head is parked."""
+    answers first), or over a ``LogitsTrunk`` with lookup drafts only when ``options`` carry a ``lookup`` policy and
+    the model has no head that drafts; else None (stock decoding: a parked head, no lookup)."""
     from . import decoding
 
     loaded = _loaded(model, drafting=True)
     if loaded is None:
-        return None
+        if options.get("lookup") is None or "prompt_inputs" in options:
+            return None
+        options = {**options, "head_cache": None}
+        return decoding.generate(prompt, LogitsTrunk(model), None, **options)
     head, options = loaded.module, dict(options)
     trunk = StackTrunk(model, head.contract, options.pop("prompt_inputs", None))
     group = group_of(model)

@@ -23,9 +23,11 @@ from mlx_lm.utils import sharded_load
 
 import mtp_plugin.health
 from mtp_plugin.lockstep import LockstepError
+from mtp_plugin.lookup import LookupSettings
 
 PROMPT = "def read_config(path):\n    \"\"\"Read a JSON configuration file.\"\"\"\n    with open(path) as f:\n"
 MAX_TOKENS = 32
+FORCED = LookupSettings(slope=0.0, first_prior=0.99)  # every match drafted: lookup cycles beside the head's
 mtp_plugin.health.PROBE_DRAFTS = 0  # random heads keep drafting: every cycle is a verify pass to keep in lockstep
 
 
@@ -49,19 +51,21 @@ def main() -> None:
     def run(max_tokens: int = MAX_TOKENS, prompt: list[int] = prompt, **options) -> dict:
         tokens = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **options)]
         stats = model.mtp_head.stats if model.mtp_head is not None else None
-        return {"tokens": tokens, "drafted": stats.drafted if stats is not None else 0}
+        return {"tokens": tokens, "drafted": stats.drafted if stats is not None else 0,
+                "looked": stats.lookup_drafted if stats is not None else 0}
 
     subset = model.mtp_head.draft_vocab.size if model.mtp_head and model.mtp_head.draft_vocab else None
     results = {"head": model.mtp_head is not None, "files": files, "draft vocabulary": subset,
                "stock": run(enable_mtp=False), "depth 1": run(mtp_depth=1), "depth 3": run(mtp_depth=3),
-               "adaptive": run()}
+               "adaptive": run(), "lookup": run(mtp_depth=2, mtp_lookup=FORCED)}
     mx.random.seed(100 + group.rank())  # seeds that differ by rank: the plugin shares rank 0's
     results["sampled"] = run(mtp_depth=2, sampler=make_sampler(0.8))
     mx.random.seed(5)
     results["sampled, seed 5"] = run(mtp_depth=2, sampler=make_sampler(0.8))
     mx.random.seed(5)
     results["sampled, seed 5 again"] = run(mtp_depth=2, sampler=make_sampler(0.8))
-    for name, options in {"disagreement": {"max_tokens": MAX_TOKENS - 4 * group.rank()},  # where rank 1 would end
+    for name, options in {"disagreement": {"max_tokens": MAX_TOKENS - 4 * group.rank(), "mtp_lookup": False},
+                          "lookup disagreement": {"max_tokens": MAX_TOKENS - 4 * group.rank(), "mtp_lookup": FORCED},
                           "prompt disagreement": {"prompt": prompt[group.rank():]}}.items():  # before the prefill
         try:
             run(mtp_depth=2, **options)

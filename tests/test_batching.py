@@ -19,12 +19,14 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import load_model
 from mtp_plugin.adapters import capture, mlx_lm_server
+from mtp_plugin.adapters.mlx_lm_decoding import CLI
 from mtp_plugin.adapters.mlx_lm_server import MTPRequest
 from mtp_plugin.adapters.patching import release
 from test_sampling import PROMPT, VOCAB, chi_square_p, exact_marginals
 
 from mtp_plugin import rollback
 from mtp_plugin.drafter import HISTORY_WINDOW
+from mtp_plugin.lookup import LookupSettings
 
 # mlx-lm < 0.32 pollutes the GatedDeltaNet state of right-padded prompt rows (its ArraysCache mask ignores the
 # prompt lengths), so its own batched output differs from a request served alone; there the reference of a batch
@@ -290,6 +292,78 @@ def test_nonfinite_head_output_never_reaches_a_row(small_path, caplog):
             assert np.isfinite(logprobs).all() and token in np.argsort(-logprobs)[:top_k]
     assert "not finite" in model.mtp_head.health.parked
     assert len([r for r in caplog.records if "parked" in r.getMessage()]) == 1
+
+
+FORCED = LookupSettings(slope=0.0, first_prior=0.99)  # every match drafted (the float32 CPU slope would refuse most)
+EDIT = "def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n\n\n" * 3 + "def read"
+LOOKUP_PROMPT = [3, 9, 1, 17, 3, 9]  # "3 9" proposes "1 17 …" (test_sampling.test_lookup_sampling_…)
+
+
+def test_rows_with_lookup_drafts_decode_as_stock_alone(trained):
+    """Rows verifying lookup drafts beside rows drafting from the head (their drafts of different lengths in one verify
+    pass), a row with lookup off, one with MTP off, one with a repetition penalty: every row is stock's."""
+    model, tokenizer = trained
+    prompts = [tokenizer.encode(p) for p in [EDIT, PROMPTS[1], EDIT, PROMPTS[5], EDIT]]
+    lengths = [40, 28, 36, 30, 33]
+    processors = [[], [], make_logits_processors(repetition_penalty=1.3), [], []]
+    options = [MTPRequest(True, 2, FORCED), MTPRequest(True, 3, FORCED), MTPRequest(True, 0, FORCED),
+               MTPRequest(True, 2, False), MTPRequest(False)]
+    generator = mtp_generator(model)
+    uids = insert(generator, prompts, lengths, options, processors)
+    results = {}
+    drain(generator, results)
+    assert [results[uid] for uid in uids] == stock_tokens(model, prompts, lengths, processors)
+    assert options[0].stats.lookup_accepted > 0 and options[2].stats.lookup_cycles > 0
+    assert options[0].stats.cycles + options[1].stats.cycles > 0  # head drafts beside them
+    assert options[3].stats.lookup_cycles == 0
+
+
+def test_rows_without_a_head_decode_as_stock_with_lookup(trained, monkeypatch):
+    """A model without a head on a server run with ``--mtp-lookup``: its rows verify lookup drafts or step plain, and
+    every row is stock's (lookup off for one, MTP off for another)."""
+    model, tokenizer = trained
+    monkeypatch.setattr(model, "mtp_head", None)
+    monkeypatch.setitem(CLI, "lookup", True)
+    prompts = [tokenizer.encode(p) for p in [EDIT, PROMPTS[1], EDIT, "x"]]
+    lengths = [40, 20, 30, 6]
+    options = [MTPRequest(True, None, FORCED), MTPRequest(True, None, FORCED), MTPRequest(True, None, False),
+               MTPRequest(False)]
+    generator = mtp_generator(model)
+    uids = insert(generator, prompts, lengths, options)
+    results = {}
+    drain(generator, results)
+    assert [results[uid] for uid in uids] == stock_tokens(model, prompts, lengths)
+    assert options[0].stats.lookup_accepted > 0 and options[0].stats.cycles == 0
+    assert options[2].stats.lookup_cycles == 0
+    assert model.mtp_lookup_batching.failed is None
+
+
+@pytest.mark.parametrize("headless", [False, True])
+def test_sampled_lookup_rows_keep_the_trunk_distribution(small, monkeypatch, headless):
+    """Sampled rows whose first cycle verifies a lookup draft (a point mass: accepted with probability p(d), else the
+    residual), then a head cycle after a rejection, or plain steps without a head: tokens 2 and 3 follow the exact
+    marginals of the trunk's distribution (chi-square)."""
+    if headless:
+        monkeypatch.setattr(small, "mtp_head", None)
+        monkeypatch.setitem(CLI, "lookup", True)
+    temp, runs, rows = 1.0, 300, 4
+    sampler = make_sampler(temp=temp)
+    mx.random.seed(5)
+    second, third, looked = [], [], [0, 0]
+    for _ in range(runs):
+        generator = mtp_generator(small)
+        options = [MTPRequest(True, 1, FORCED) for _ in range(rows)]
+        uids = insert(generator, [LOOKUP_PROMPT] * rows, [3] * rows, options, sampler=sampler)
+        results = {}
+        drain(generator, results)
+        second += [results[u][1] for u in uids]
+        third += [results[u][2] for u in uids]
+        looked = [looked[0] + sum(o.stats.lookup_accepted for o in options),
+                  looked[1] + sum(o.stats.lookup_drafted for o in options)]
+    assert 0 < looked[0] < looked[1]
+    m2, m3 = exact_marginals(small, temp, 0, LOOKUP_PROMPT)
+    assert chi_square_p(np.array(second), m2) > 1e-3
+    assert chi_square_p(np.array(third), m3) > 1e-3
 
 
 SHORT = ["x", "import os", "def", "  "]  # 1- and 2-token prompts: the head gets no pair before the first step

@@ -61,7 +61,7 @@ def test_greedy_identical_to_plain(model, prompt, depth):
     mtp = tokens(model, PROMPTS[prompt], mtp_depth=depth, **kwargs)
     assert mtp == plain
     stats = model.mtp_head.stats
-    assert stats.cycles > 0 and stats.emitted == len(mtp) - 1
+    assert stats.cycles > 0 and stats.emitted + stats.lookup_emitted == len(mtp) - 1
 
 
 def test_greedy_identical_with_pre_norm_contract(model):

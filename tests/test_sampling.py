@@ -16,6 +16,8 @@ from mlx_lm.sample_utils import apply_top_k, make_sampler
 from mlx_lm.utils import load_model
 from scipy.stats import chisquare
 
+from mtp_plugin.lookup import LookupSettings
+
 VOCAB = 24
 PROMPT = [3, 9, 1, 17]
 RUNS = 1500
@@ -44,11 +46,11 @@ def distribution(model, sequences, temp, top_k):
     return np.array(mx.softmax(logprobs / temp, axis=-1))
 
 
-def exact_marginals(model, temp, top_k):
+def exact_marginals(model, temp, top_k, prompt=PROMPT):
     """Exact marginal distributions of generated tokens 2 and 3 by enumerating tokens 1 and 2."""
-    p1 = distribution(model, [PROMPT], temp, top_k)[0]
-    p2 = distribution(model, [PROMPT + [a] for a in range(VOCAB)], temp, top_k)
-    p3 = distribution(model, [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)], temp, top_k)
+    p1 = distribution(model, [prompt], temp, top_k)[0]
+    p2 = distribution(model, [prompt + [a] for a in range(VOCAB)], temp, top_k)
+    p3 = distribution(model, [prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)], temp, top_k)
     joint12 = p1[:, None] * p2
     return joint12.sum(0), (joint12.reshape(-1, 1) * p3).sum(0)
 
@@ -108,6 +110,35 @@ def test_mtp_sampling_with_draft_vocabulary_matches_trunk_distribution(model, mo
     assert set(drafted) <= set(ids)
     assert set(second) - set(ids)  # tokens outside the subset are still emitted (through the residual)
     m2, m3 = exact_marginals(model, 1.0, 0)
+    assert chi_square_p(np.array(second), m2) > 1e-3
+    assert chi_square_p(np.array(third), m3) > 1e-3
+
+
+@pytest.mark.parametrize("headless", [False, True])
+def test_lookup_sampling_matches_trunk_distribution(model, headless):
+    """A lookup draft is a point-mass proposal: accepted with probability p(d), else a token of the residual (p without
+    d, renormalised). With the head: the lookup cycle, then a head cycle after a rejection (mixed cycles in one
+    generation); without one (the model's head taken away): lookup cycles and plain steps."""
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    prompt = [3, 9, 1, 17, 3, 9]  # "3 9" proposes "1 17 …": the draft after token 1 is 17
+    sampler, head = make_sampler(temp=1.0), model.mtp_head
+    mx.random.seed(99)
+    second, third, lookup, cycles = [], [], [0, 0], 0
+    try:
+        model.mtp_head = None if headless else head
+        for _ in range(RUNS):
+            out = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=3, sampler=sampler, mtp_depth=1,
+                                               mtp_lookup=LookupSettings(slope=0.0, first_prior=0.99))]
+            second.append(out[1])
+            third.append(out[2])
+            stats = model.mtp_lookup_stats if headless else head.stats
+            lookup = [lookup[0] + stats.lookup_accepted, lookup[1] + stats.lookup_drafted]
+            cycles += stats.cycles
+    finally:
+        model.mtp_head = head
+    assert 0 < lookup[0] < lookup[1] == RUNS  # one lookup draft per generation, accepted and rejected
+    assert (cycles == 0) if headless else (cycles > 0)
+    m2, m3 = exact_marginals(model, 1.0, 0, prompt)
     assert chi_square_p(np.array(second), m2) > 1e-3
     assert chi_square_p(np.array(third), m3) > 1e-3
 

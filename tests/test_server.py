@@ -110,11 +110,18 @@ def test_completion_with_mtp_matches_plain_and_counts_drafts(server):
 
 
 def test_request_depth_is_used(server):
-    _, deep = server.post("/v1/completions", completion(PROMPTS[1], mtp_depth=4))
-    _, default = server.post("/v1/completions", completion(PROMPTS[1]))
+    _, deep = server.post("/v1/completions", completion(PROMPTS[1], mtp_depth=4, mtp_lookup=False))
+    _, default = server.post("/v1/completions", completion(PROMPTS[1], mtp_lookup=False))
     assert text_of(deep) == text_of(default)
     assert deep["timings"]["draft_n"] % 4 == 0 and default["timings"]["draft_n"] % 2 == 0
     assert deep["timings"]["draft_n"] != default["timings"]["draft_n"]
+
+
+def test_request_lookup_option(server):
+    """``mtp_lookup`` per request: on (the default) and off give the same text."""
+    _, on = server.post("/v1/completions", completion(PROMPTS[1], mtp_lookup=True))
+    _, off = server.post("/v1/completions", completion(PROMPTS[1], mtp_lookup=False))
+    assert text_of(on) == text_of(off) and on["timings"]["draft_n"] > 0
 
 
 def test_streamed_chat_matches_unstreamed_and_reports_counters(server):
@@ -128,7 +135,8 @@ def test_streamed_chat_matches_unstreamed_and_reports_counters(server):
 
 
 @pytest.mark.parametrize("options", [{"enable_mtp": "yes"}, {"enable_mtp": 1}, {"mtp_depth": -1},
-                                     {"mtp_depth": 9}, {"mtp_depth": True}, {"mtp_depth": 2.5}])
+                                     {"mtp_depth": 9}, {"mtp_depth": True}, {"mtp_depth": 2.5},
+                                     {"mtp_lookup": "on"}, {"mtp_lookup": 0}])
 def test_bad_options_get_400(server, options):
     status, answer = server.post("/v1/completions", completion(PROMPTS[0], **options))
     assert status == 400 and next(iter(options)) in answer["error"]

@@ -92,7 +92,7 @@ def test_mlx_lm_generate_cli_prints_mtp_line():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     match = re.fullmatch(r"MTP: depth=auto drafted=(\d+) accepted=(\d+) acceptance=([0-9.]+) tokens/cycle=([0-9.]+) "
-                         r"cycles=(\S+) plain=(\d+)", lines[-1])  # automatic depth: adaptive
+                         r"cycles=(\S+) plain=(\d+)(?: lookup: cycles=\d+ drafted=\d+ accepted=\d+)?", lines[-1])
     assert match, lines[-3:]
     assert "Peak memory" in lines[-2]
     assert int(match[2]) > 0 and float(match[3]) > 0
