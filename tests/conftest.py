@@ -19,6 +19,18 @@ mtp_plugin.patch()
 mtp_plugin.health.PROBE_DRAFTS = 0
 
 
+# The longest modules first: CI runs a module per worker (``--dist loadfile``), in this order, so that no long module
+# starts last on one worker while the other worker idles.
+LONGEST_FIRST = ("test_distributed.py", "test_sampling.py", "test_vlm_sampling.py", "test_server_batching.py",
+                 "test_batching.py", "test_docs.py", "test_fresh_venv.py", "test_vlm_server.py")
+
+
+def pytest_collection_modifyitems(items):
+    """Order the modules longest first (``LONGEST_FIRST``), the rest as collected."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(autouse=True)
 def patched():
     """Tests that unpatch to observe stock behaviour leave the runtimes patched again."""

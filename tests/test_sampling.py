@@ -119,6 +119,8 @@ def test_lookup_sampling_matches_trunk_distribution(model, headless):
     """A lookup draft is a point-mass proposal: accepted with probability p(d), else a token of the residual (p without
     d, renormalised). With the head: the lookup cycle, then a head cycle after a rejection (mixed cycles in one
     generation); without one (the model's head taken away): lookup cycles and plain steps."""
+    if headless and model.model_type != "qwen3_5":
+        pytest.skip("without a head no family code runs: one family covers it")
     generate_step = importlib.import_module("mlx_lm.generate").generate_step
     prompt = [3, 9, 1, 17, 3, 9]  # "3 9" proposes "1 17 …": the draft after token 1 is 17
     sampler, head = make_sampler(temp=1.0), model.mtp_head

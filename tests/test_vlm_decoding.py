@@ -22,6 +22,7 @@ from mtp_plugin.adapters.mlx_vlm_decoding import CONTINUES_CACHED_POSITIONS
 from mtp_plugin.adapters.patching import release
 
 import mtp_plugin
+from mtp_plugin.lookup import LookupSettings
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
 SHORT = [3, 17, 42, 99, 7, 128, 5, 64]
@@ -222,6 +223,20 @@ def test_media_prompt_greedy_identical_to_stock(trained_vlm_model, media, depth)
     stats = model.mtp_head.stats
     assert stats.depth == depth and stats.emitted + stats.plain + stats.lookup_emitted == len(mtp) - 1
     assert stats.accepted > 0 or depth is None  # the adaptive controller may park on this CPU's timings
+
+
+@pytest.mark.parametrize("depth", [2, None])
+def test_lookup_drafts_after_an_image_greedy_identical_to_stock(trained_vlm_model, depth):
+    """Drafts from the context beside the head's after an image (the index holds the image's tokens too): mlx-vlm's
+    output token for token, with lookup cycles and head cycles in one generation."""
+    model, config, tokenizer, _ = trained_vlm_model
+    text = "def read_config(path):\n    return json.load(open(path))\n\n\n" * 3 + "def read"
+    prompt, pixel_values, keywords = media_prompt(config, tokenizer, "image", text)
+    plain = tokens(model, prompt, pixel_values, max_tokens=40, enable_mtp=False, **keywords)
+    forced = LookupSettings(slope=0.0, first_prior=0.99)
+    assert tokens(model, prompt, pixel_values, max_tokens=40, mtp_depth=depth, mtp_lookup=forced, **keywords) == plain
+    stats = model.mtp_head.stats
+    assert stats.lookup_accepted > 0 and stats.emitted + stats.plain + stats.lookup_emitted == len(plain) - 1
 
 
 @pytest.mark.parametrize("text", ["def read_config(path):\n", "class Parser:\n", "def parse(text):\n"])
