@@ -195,13 +195,19 @@ def batching_model(model) -> BatchingModel | None:
 def headless_context(model) -> BatchContext | None:
     """The batching context of a model without a head when the server drafts from the context (``--mtp-lookup``) and its
     trunk can be rolled back (its model type got capture points, or every cache trims), on one process; kept on the
-    model (``mtp_lookup_batching``) across generators. None otherwise: stock batching."""
+    model (``mtp_lookup_batching``) across generators. None otherwise, and with one warning when the model's caches
+    cannot even be made here: stock batching."""
     from mlx_lm.models.cache import make_prompt_cache
 
     if not CLI["lookup"] or group_of(model) is not None:
         return None
     model_type = getattr(model, "model_type", None)
-    if not (CAPTURED.get(model_type) or all(c.is_trimmable() for c in make_prompt_cache(model))):
+    try:
+        trims = all(c.is_trimmable() for c in make_prompt_cache(model))
+    except Exception as error:  # a model of another runtime's making: served as stock serves it
+        log.warning("mtp_plugin: no lookup drafts for this model's batches (%s: %s)", type(error).__name__, error)
+        return None
+    if not (CAPTURED.get(model_type) or trims):
         return None
     ctx = getattr(model, "mtp_lookup_batching", None)
     if ctx is None or ctx.failed:

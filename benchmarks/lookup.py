@@ -18,7 +18,6 @@ import datetime
 import importlib
 import json
 import os
-import re
 import statistics
 import time
 from pathlib import Path
@@ -136,12 +135,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:
-        device = re.sub(r"[^A-Za-z0-9]+", "-", tuning.machine()["device_name"]).strip("-")
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"{datetime.date.today().isoformat()}-{device}-lookup-{args.model.name}-{args.dtype}.txt"
-        temporary = path.with_suffix(".tmp")
-        temporary.write_text(text)
-        temporary.replace(path)
+        path = measure.write_result(args.out, f"lookup-{args.model.name}-{args.dtype}", text)
         print(f"written to {os.path.relpath(path, REPO)}")
 
 

@@ -12,10 +12,10 @@ import argparse
 import datetime
 import json
 import os
-import re
 from pathlib import Path
 
 from mtp_plugin import tuning
+from mtp_plugin.commands import measure
 from mtp_plugin.commands.bench import bench, render
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "tiny-qwen3_5" / "hf"
@@ -48,12 +48,9 @@ def main() -> None:
     text = "\n".join(header) + render(report) + "\n"
     print(text, end="")
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        device = re.sub(r"[^A-Za-z0-9]+", "-", machine["device_name"]).strip("-")
         shape = (f"-{args.max_tokens}-tokens" if args.max_tokens != 128 else "") + (
             f"-context-{args.prompt_tokens}" if args.prompt_tokens else "")
-        path = args.out / f"{datetime.date.today().isoformat()}-{device}-{args.model.name}-{args.dtype}{shape}.txt"
-        path.write_text(text)
+        path = measure.write_result(args.out, f"{args.model.name}-{args.dtype}{shape}", text)
         print(f"written to {path}")
 
 

@@ -82,6 +82,17 @@ class Settings:
     probe: int = 2
 
 
+def chain_acceptance(accepted: list[float], reached: list[float], weight: float, first: float) -> list[float]:
+    """Conditional acceptance [p_1, …, p_n] from decayed counts (index k of ``accepted`` / ``reached``: cycles that
+    accepted / verified draft k; index 0 unused), each p_k shrunk towards p_(k-1) by ``weight`` pseudo-cycles, p_1
+    towards ``first``."""
+    out, prior = [], first
+    for k in range(1, len(accepted)):
+        prior = (accepted[k] + weight * prior) / (reached[k] + weight)
+        out.append(prior)
+    return out
+
+
 class DepthController:
     """Chooses the draft depth of each cycle (``PLAIN`` = a plain decoding step).
 
@@ -122,11 +133,8 @@ class DepthController:
 
     def acceptance(self) -> list[float]:
         """The chain model's conditional acceptance [p_1, …, p_max], each in (0, 1)."""
-        s, out, prior = self.settings, [], self.settings.first_prior
-        for k in range(1, s.max_depth + 1):
-            prior = (self.accepted[k] + s.prior_weight * prior) / (self.reached[k] + s.prior_weight)
-            out.append(prior)
-        return out
+        s = self.settings
+        return chain_acceptance(self.accepted, self.reached, s.prior_weight, s.first_prior)
 
     def chain_tokens(self, depth: int) -> float:
         """The chain model's E(depth) = 1 + p1 + p1·p2 + … (tokens per cycle; 1.0 for PLAIN)."""

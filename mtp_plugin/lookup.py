@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .controller import chain_acceptance
+
 MAX_LOOKUP = 16  # longest lookup draft
 
 
@@ -124,11 +126,8 @@ class LookupPolicy:
 
     def acceptance(self, n: int) -> list[float]:
         """Estimated [p_1, …, p_max_len] of lookup drafts from a match of length ``n``, each in (0, 1)."""
-        s, out, prior = self.settings, [], self.settings.first_prior
-        for k in range(1, s.max_len + 1):
-            prior = (self.accepted[n][k] + s.prior_weight * prior) / (self.reached[n][k] + s.prior_weight)
-            out.append(prior)
-        return out
+        s = self.settings
+        return chain_acceptance(self.accepted[n], self.reached[n], s.prior_weight, s.first_prior)
 
     def other_rate(self) -> float:
         """Tokens per cost unit (a plain step) of this generation's head cycles and plain steps; 1.0 before any."""

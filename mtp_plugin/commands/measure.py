@@ -12,6 +12,8 @@ seconds over the suite.
 
 from __future__ import annotations
 
+import datetime
+import re
 import statistics
 import sysconfig
 import time
@@ -21,9 +23,10 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
-from .. import rollback
+from .. import rollback, tuning
 from ..decoding import accept_greedy
 from ..drafter import draft_logits, log_softmax, propose
+from ..files import atomic_write
 from ..plugins import hook
 from ..stats import MTPStats
 from ..trunk import trunk_parts
@@ -76,6 +79,20 @@ class Result:
     tokens_per_second: float
     runs: list[float]
     stats: MTPStats | None
+
+
+def write_result(out: Path, name: str, text: str) -> Path:
+    """Write a benchmark's report atomically as ``out/DATE-DEVICE-NAME.txt`` (today's date, MLX's device name with
+    every run of other characters than letters and digits made one ``-``); the path written.
+
+    Raises:
+        OSError: ``out`` cannot be created or written.
+    """
+    device = re.sub(r"[^A-Za-z0-9]+", "-", tuning.machine()["device_name"]).strip("-")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{datetime.date.today().isoformat()}-{device}-{name}.txt"
+    atomic_write(path, lambda tmp: tmp.write_text(text))
+    return path
 
 
 def _timed(stream) -> tuple[int, float]:
