@@ -634,11 +634,12 @@ def generate(
             if not 0 <= d <= MAX_DEPTH:
                 raise ValueError(f"depth policy chose depth {d}; it must be 0..{MAX_DEPTH}")
             d = d if span is None else min(d, span - 1)
-        if lockstep is not None:  # equal contexts and options give equal lookup drafts
+        if lockstep is not None:  # equal contexts, tokens left and options give equal lookup drafts
             d = lockstep.agree(NONE if d is None else d, {
                 "tokens emitted": n + block, "whether the generation ends": int(d is None),
+                "the tokens left to generate": max_tokens - n - block if max_tokens >= 0 else -1,
                 "whether the head drafts": int(not (drafter.stopped or loop.uncaptured)),
-                "the lookup draft's length": len(proposal)})
+                "the lookup draft's length": take})
             d = None if d == NONE else d
         return d
 
