@@ -7,7 +7,7 @@ in lockstep costs. Run it under ``mlx.launch``; rank 0 prints the report (and wr
 The model is loaded by mlx-lm's ``sharded_load`` (tensor parallel, or pipeline parallel with ``--pipeline``) and
 decoded greedily through the runtime's own ``generate_step`` (``mtp_decode`` hook) on the bench's code prompts
 (``measure.candidates``: plain, fixed depths 1..``--depths``, adaptive; interleaved; speedups paired per repeat).
-The lockstep collective (``lockstep.Lockstep.agree``: one ``all_gather`` of 4 int32 per rank, once per cycle or
+The lockstep collective (``lockstep.Lockstep.agree``: one ``all_gather`` of 6 int32 per rank, once per cycle or
 plain step) is timed alone, 200 times, and set against a plain step.
 """
 
@@ -82,7 +82,7 @@ def main() -> None:
     for r in rows:
         per_cycle = f"{r['tokens_per_cycle']:.2f}" if r["tokens_per_cycle"] else "-"
         lines.append(f"{r['name']:<12} {r['tokens_per_second']:6.1f}  {r['speedup']:7.3f}  {per_cycle:>9}")
-    lines += ["", f"lockstep: one all_gather of 4 int32 per rank per cycle or plain step, median "
+    lines += ["", f"lockstep: one all_gather of int32 per rank per cycle or plain step, median "
               f"{collective * 1e6:.0f} us on this backend = {100 * collective / plain_step:.2f} % of a plain step "
               f"({plain_step * 1e3:.1f} ms)"]
     text = "\n".join(lines) + "\n"
