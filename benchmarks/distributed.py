@@ -36,7 +36,8 @@ def collective_seconds(group, repeats: int = 200) -> float:
     lockstep, times = Lockstep(group), []
     for _ in range(repeats):
         start = time.perf_counter()
-        lockstep.agree(2, {"tokens emitted": 1, "whether the generation ends": 0, "whether the head drafts": 1})
+        lockstep.agree(2, {"tokens emitted": 1, "whether the generation ends": 0, "the tokens left to generate": 8,
+                           "whether the head drafts": 1, "the lookup draft's length": 0})
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
