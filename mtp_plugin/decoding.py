@@ -21,6 +21,11 @@ count is read back as ``NONFINITE`` in the same host sync (``reject_nonfinite``)
 ``health.HeadHealth`` then parks it, as it does a head that accepts (almost) nothing over its first
 cycles, and the rest of the generation is plain decoding.
 
+Drafts from the context (``lookup.py``): before each cycle a lookup policy may verify the tokens that followed an
+earlier occurrence of the context's last few tokens instead of the head's drafts (a point-mass proposal when sampling:
+q is one-hot at each draft); such a cycle runs no head step, and a model without a head decodes with lookup cycles and
+plain steps only.
+
 Depth: fixed, or chosen per cycle by a policy (``controller.DepthController``: adaptive depth, which
 may also "park" on plain decoding steps when no depth is predicted to beat plain decoding). The policy
 is fed each cycle's accepted count and its cost: the seconds spent in this loop queueing it (draft,
