@@ -37,7 +37,9 @@ def servers(tmp_path_factory):
 def request(i: int) -> dict:
     """The i-th request of the mixed load: prompt, length, depth (fixed, automatic, or MTP off), streaming."""
     body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": (16, 40, 24, 32)[i % 4], "temperature": 0.0}
-    body.update(({"mtp_depth": 2}, {}, {"enable_mtp": False}, {"mtp_depth": 3}, {"mtp_depth": 1})[i % 5])
+    head_only = {"mtp_lookup": False}  # draft_n then counts whole cycles of the head
+    body.update(({"mtp_depth": 2, **head_only}, {}, {"enable_mtp": False}, {"mtp_depth": 3, **head_only},
+                 {"mtp_depth": 1, **head_only})[i % 5])
     return body
 
 
