@@ -122,11 +122,14 @@ def mtp_load_model(model_dir):
 
 @hookimpl
 def mtp_decode(model, prompt, max_tokens, depth):
-    """Greedy tokens of mlx-lm's ``generate_step`` as patched: stock when ``depth`` is None, else MTP at ``depth``."""
+    """Greedy tokens of mlx-lm's ``generate_step`` as patched: stock when ``depth`` is None, the head alone at a fixed
+    depth, else (0 or a policy) the plugin's default decoding at that depth policy."""
     import mlx.core as mx
 
     generate_step = importlib.import_module("mlx_lm.generate").generate_step
     options = {"enable_mtp": False} if depth is None else {"mtp_depth": depth}
+    if type(depth) is int and depth > 0:
+        options["mtp_lookup"] = False
     return (token for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, **options))
 
 

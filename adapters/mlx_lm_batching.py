@@ -41,14 +41,16 @@ from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH
 from mtp_plugin.drafter import Drafter, PendingPairs
 from mtp_plugin.health import HeadHealth
 from mtp_plugin.lockstep import NONE, Lockstep, LockstepError, group_of
-from mtp_plugin.lookup import lookup_policy, verify_slope
+from mtp_plugin.lookup import lookup_policy
+from mtp_plugin.options import command_line
 from mtp_plugin.plugins import hook
+from mtp_plugin.scheduler import CostTable, Decision, RowState, costs_of, plan, pricing
 from mtp_plugin.stats import MTPStats
 from mtp_plugin.trunk import LogitsTrunk
 from mtp_plugin.tuning import start_depth
 
 from .capture import rollback_ready
-from .mlx_lm_decoding import CAPTURED, CLI, SAMPLINGS, generation_stream
+from .mlx_lm_decoding import CAPTURED, SAMPLINGS, generation_stream
 from .mlx_lm_fallback import Resume, stock_batch
 
 log = logging.getLogger("mtp_plugin")
@@ -82,7 +84,7 @@ class BatchContext:
     heads: dict = field(default_factory=dict)  # uid -> HeadRow
     store: OrderedDict = field(default_factory=OrderedDict)  # tokens -> head of a finished request (``remember``)
     lockstep: Lockstep | None = None  # a model sharded over ranks: rank 0 chooses the depth (``lockstep.py``)
-    slope: float = 0.3  # the lookup policies' verify cost slope (``lookup.verify_slope``)
+    costs: CostTable | None = None  # the model's verify costs per batch size (``scheduler.costs_of``)
     failed: str | None = None  # why batched MTP stopped after a fault of the plugin's (then every batch is stock)
     cycles: int = 0  # batched passes: cycles and plain steps
     row_cycles: int = 0  # rows × passes
@@ -179,7 +181,7 @@ def batching_model(model) -> BatchingModel | None:
     if ctx is None:
         start = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
         ctx = loaded.batching = BatchContext(trunk, BatchDrafter(trunk, loaded.module), loaded.health, start,
-                                             slope=verify_slope(model))
+                                             costs=costs_of(model))
         group = group_of(model)
         ctx.lockstep = None if group is None else Lockstep(group)
     if ctx.lockstep is not None:  # every rank batches with MTP here; the ranks' draft vocabularies must match
@@ -199,7 +201,7 @@ def headless_context(model) -> BatchContext | None:
     cannot even be made here: stock batching."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    if not CLI["lookup"] or group_of(model) is not None:
+    if not command_line().lookup or group_of(model) is not None:
         return None
     model_type = getattr(model, "model_type", None)
     try:
@@ -212,7 +214,7 @@ def headless_context(model) -> BatchContext | None:
     ctx = getattr(model, "mtp_lookup_batching", None)
     if ctx is None or ctx.failed:
         trunk = LogitsTrunk(model)
-        ctx = BatchContext(trunk, BatchDrafter(trunk, None), HeadHealth("no head"), PLAIN, slope=verify_slope(model))
+        ctx = BatchContext(trunk, BatchDrafter(trunk, None), HeadHealth("no head"), PLAIN, costs=costs_of(model))
         model.mtp_lookup_batching = ctx
     ctx.options.clear()
     ctx.heads.clear()
@@ -419,33 +421,36 @@ class MTPGenerationBatch:
         """Row ``idx``'s trunk caches, unbatched (they hold ``tokens[idx]``)."""
         return [c.extract(idx) for c in self.prompt_cache]
 
-    def _depths(self, ctx: BatchContext, policy: DepthController, lookups: list) -> list[int]:
-        """Each row's depth this cycle: its own, or the policy's (asked once) for rows that follow it; 0 for
+    def _depths(self, ctx: BatchContext, policy: DepthController) -> list[int]:
+        """Each row's head depth this cycle: its own, or the policy's (asked once) for rows that follow it; 0 for
         every row once the head is parked. Ranks in lockstep take rank 0's policy's depth, after checking that
-        they hold the same rows at the same point, with the same ``lookups`` (``lockstep.Lockstep.agree``)."""
+        they hold the same rows at the same point (``lockstep.Lockstep.agree``)."""
         parked = ctx.health.parked
         auto = policy.next_depth() if not parked and any(r.depth is None for r in self.rows) else None
         if ctx.lockstep is not None:
             auto = ctx.lockstep.agree(NONE if auto is None else auto, {
                 "rows in the batch": len(self.rows), "tokens emitted": sum(self.num_tokens),
-                "whether the head is parked": int(bool(parked)), "the rows' lookup drafts": _drafted(lookups)})
+                "whether the head is parked": int(bool(parked))})
             auto = None if auto == NONE else auto
         if parked:
             return [0] * len(self.rows)
         return [auto if r.depth is None else r.depth for r in self.rows]
 
-    def _lookups(self, behind: bool) -> list[tuple[list[int], int] | None]:
-        """Per row, the lookup drafts its policy finds worth verifying this cycle and their match length, or None
-        (``lookup.LookupPolicy.choose``; never more than the row's remaining tokens allow); ``behind``: a queued plain
-        step holds each row's next token, not read yet (``lookup.ContextIndex.propose``)."""
-        out = []
-        for i, row in enumerate(self.rows):
-            room = self.max_tokens[i] - self.num_tokens[i] - 1 - behind
-            drafts, match = row.lookup.index.propose(row.lookup.settings.max_len, behind) if (
-                row.lookup is not None and room > 0) else ([], 0)
-            take = row.lookup.choose(len(drafts), match, room) if drafts else 0
-            out.append((drafts[:take], match) if take else None)
-        return out
+    def _decide(self, ctx: BatchContext, policy: DepthController) -> tuple[list[int], list[Decision]]:
+        """The rows' head depths (``_depths``, or those asked before the queued plain step was settled) and every
+        row's decision for this cycle, taken for the whole pass (``scheduler.plan``: a row's lookup draft widens the
+        pass only where the batch gains and no row falls below its plain rate). Lookup drafts never exceed a row's
+        remaining tokens; a queued plain step holds each row's next token, not read yet (``behind``). Ranks in
+        lockstep plan from the static cost prior and check that their lookup drafts agree."""
+        behind = self.ahead is not None
+        depths, self.asked = self.asked or self._depths(ctx, policy), None
+        asks = [row.schedule.ask(depths[i], self.max_tokens[i] - self.num_tokens[i] - 1 - behind, behind)
+                for i, row in enumerate(self.rows)]
+        price = pricing(ctx.costs.of(len(self.rows)), ctx.lockstep is None, [r.schedule.lookup for r in self.rows])
+        decisions = plan(asks, price)
+        if ctx.lockstep is not None:
+            ctx.lockstep.agree(0, {"the rows' lookup drafts": sum(len(d.lookup) for d in decisions)})
+        return depths, decisions
 
     def _end(self, i: int, token: int) -> str | None:
         """Why row i finishes on ``token``, its next emitted token (None: it goes on), by mlx-lm's rules:
@@ -468,17 +473,15 @@ class MTPGenerationBatch:
             return self.next()
         try:
             policy = ctx.policy(len(self.rows))
-            lookups = self._lookups(behind=self.ahead is not None)
-            asked, self.asked = self.asked, None
-            depths = asked or self._depths(ctx, policy, lookups)
-            if asked and ctx.lockstep is not None:  # the depths were agreed last call; the lookup drafts are new
-                ctx.lockstep.agree(0, {"the rows' lookup drafts": _drafted(lookups)})
-            if max(depths) == 0 and not any(lookups):
+            depths, decisions = self._decide(ctx, policy)
+            if not any(d.drafts for d in decisions):
                 return self._plain(ctx, policy, start)
             if self.ahead is not None:  # leave pipelined plain steps: emit the queued tokens, draft next call
                 self.asked = depths
                 return self._settle(ctx)
-            return self._cycle(ctx, policy, depths, start, lookups)
+            if not any(row.depth is None and not d.lookup for row, d in zip(self.rows, decisions, strict=True)):
+                self.asked = depths  # the policy's depth did not run: it stands for the next cycle
+            return self._cycle(ctx, policy, decisions, start)
         except LockstepError:  # the ranks have drifted apart: stock decoding of their rows would not match either
             raise
         except Exception as error:
@@ -501,14 +504,16 @@ class MTPGenerationBatch:
         stock = stock_batch(self.model.model, self.fallback_sampler, rows)
         self.__class__, self.__dict__ = type(stock), stock.__dict__  # the generator holds this object
 
-    def _cycle(self, ctx: BatchContext, policy, depths: list[int], start: float, lookups) -> list:
+    def _cycle(self, ctx: BatchContext, policy, decisions: list[Decision], start: float) -> list:
         finished = [None] * len(self.rows)
 
         def ends(i: int, token: int) -> bool:
             finished[i] = self._end(i, token)
             return finished[i] is not None
 
-        verified = ctx.drafter.cycle(self.rows, self.prompt_cache, self.head_cache, depths, ends, lookups)
+        lookups = [(list(d.lookup), d.match) if d.lookup else None for d in decisions]
+        verified = ctx.drafter.cycle(self.rows, self.prompt_cache, self.head_cache, [d.depth for d in decisions],
+                                     ends, lookups)
         if verified.nonfinite:
             ctx.health.nonfinite()
         emitted = [len(block) for block in verified.blocks]
@@ -516,15 +521,14 @@ class MTPGenerationBatch:
             self.tokens[i] += [row.last, *verified.blocks[i][: emitted[i] - 1]]
         ctx.drafter.commit(self.rows, self.prompt_cache, self.head_cache, verified, emitted)
         self._final_calls(ctx, finished, [n > a for n, a in zip(emitted, verified.accepted, strict=True)])
-        seconds = (time.perf_counter() - start) / len(self.rows)
+        seconds = time.perf_counter() - start
+        if not verified.head_width:  # a pass with no head steps: its cost is the verify pass's alone
+            ctx.costs.of(len(self.rows)).observe(max(verified.depths) + 1, seconds)
         for i, row in enumerate(self.rows):
             d, a, match = verified.depths[i], verified.accepted[i], verified.matches[i]
-            if row.lookup is not None:
-                row.lookup.index.extend(verified.blocks[i])
-                if match:
-                    row.lookup.observe_lookup(match, d, a)
-                else:
-                    row.lookup.observe_other(d, a)
+            row.schedule.observe(d, match, a)
+            if row.schedule.lookup is not None:
+                row.schedule.lookup.index.extend(verified.blocks[i])
             if match:
                 row.stats.record_lookup(min(a, emitted[i]), emitted[i], d)
                 continue
@@ -535,7 +539,7 @@ class MTPGenerationBatch:
             else:
                 row.stats.plain += 1
             if row.depth is None:
-                policy.observe(d, a, seconds)
+                policy.observe(d, a, seconds / len(self.rows))
         return self._respond(ctx, verified.blocks, verified.logprobs, finished)
 
     def _plain(self, ctx: BatchContext, policy, start: float) -> list:
@@ -547,10 +551,11 @@ class MTPGenerationBatch:
         tokens = self._take(step)
         for i in range(len(self.rows)):
             self.tokens[i].append(tokens[i])  # fed by the queued step
-        seconds = (time.perf_counter() - start) / len(self.rows)
+        seconds = time.perf_counter() - start
+        ctx.costs.of(len(self.rows)).observe(1, seconds)
         for row in self.rows:
             if row.depth is None:
-                policy.observe(0, 0, seconds)
+                policy.observe(0, 0, seconds / len(self.rows))
         finished = [self._end(i, t) for i, t in enumerate(tokens)]
         return self._respond(ctx, [[t] for t in tokens], step.logprobs[:, None], finished)
 
@@ -586,9 +591,8 @@ class MTPGenerationBatch:
             row.keep(step.hidden[i : i + 1], step.tokens[i : i + 1])
             row.last = tokens[i]
             row.stats.plain += 1
-            if row.lookup is not None:
-                row.lookup.index.extend([tokens[i]])
-                row.lookup.observe_other(0, 0)
+            if row.schedule.lookup is not None:
+                row.schedule.lookup.index.extend([tokens[i]])
         return tokens
 
     def _respond(self, ctx: BatchContext, blocks: list[list[int]], logprobs: mx.array, finished) -> list:
@@ -618,14 +622,13 @@ class MTPGenerationBatch:
 def _row(ctx: BatchContext, uid: int, last: int, carry, sampler, processors, tokens) -> Row:
     """The decoding state of a request joining the batch, from its MTP options and sampler."""
     options = ctx.options.pop(uid, None)
-    wanted = CLI["enabled"] if options is None or options.enabled is None else options.enabled
-    depth = (options.depth if options is not None else None) or CLI["depth"] or None
+    asked = options.resolved() if options is not None else command_line()
+    wanted, depth = asked.enabled, asked.depth
     sampling = SAMPLINGS.get(sampler, False) if sampler is not None else None
     headless = ctx.drafter.head is None
     lookup = None
     if wanted and sampling is not False:
-        asked = options.lookup if options is not None and options.lookup is not None else CLI["lookup"]
-        lookup = lookup_policy(asked, None, headless, ctx.slope)
+        lookup = lookup_policy(asked.lookup, headless)
         if lookup is not None:
             lookup.index.extend([*tokens, last])
     if not wanted or sampling is False:
@@ -637,17 +640,12 @@ def _row(ctx: BatchContext, uid: int, last: int, carry, sampler, processors, tok
         options.stats = stats
     row = Row(last, sampling=sampling, sampler=sampler, processors=list(processors or []),
               history=mx.array(tokens, dtype=mx.uint32) if processors else None, depth=depth, stats=stats,
-              lookup=lookup)
+              schedule=RowState(lookup))
     if headless:
         row.pending = PendingPairs(window=0)  # no head: no pairs kept
     if carry is not None:
         row.keep(carry, mx.array([last], dtype=mx.uint32))
     return row
-
-
-def _drafted(lookups: list) -> int:
-    """The lookup draft tokens of a cycle's rows (``MTPGenerationBatch._lookups``)."""
-    return sum(len(looked[0]) for looked in lookups if looked is not None)
 
 
 def log_summary(ctx: BatchContext) -> None:

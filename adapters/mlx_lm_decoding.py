@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -26,7 +27,9 @@ import weakref
 from mtp_plugin.decoding import MAX_DEPTH, Sampling
 from mtp_plugin.lockstep import Lockstep, group_of
 from mtp_plugin.lookup import MAX_LOOKUP, lookup_policy
+from mtp_plugin.options import command_line, resolve, set_command_line
 from mtp_plugin.plugins import hook
+from mtp_plugin.scheduler import costs_of
 from mtp_plugin.stats import MTPStats
 from mtp_plugin.tuning import depth_policy, sampled_policy
 
@@ -36,7 +39,6 @@ from .patching import release
 log = logging.getLogger("mtp_plugin")
 # mlx-lm < 0.32 shows logits processors only the tokens after the chunked prefill (measured on 0.31.3).
 PREFILL_IN_HISTORY = release("mlx-lm") >= (0, 32, 0)
-CLI = {"depth": 0, "enabled": True, "lookup": None}  # set by --mtp-depth / --no-mtp / --[no-]mtp-lookup
 CAPTURED: dict[str, bool] = {}  # model type -> its layers needing capture points got them (``capture.install``)
 SAMPLINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sampler -> Sampling, None when greedy
 TOLD_HEADLESS: set[int] = set()  # ids of models told why an explicit depth decodes stock (``warn_headless``)
@@ -100,7 +102,7 @@ def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured
     cache = kwargs["prompt_cache"]
     cache = make_prompt_cache(model, max_kv_size=kwargs["max_kv_size"]) if cache is None else cache
     max_tokens = kwargs["max_tokens"]
-    lookup = lookup_policy(lookup, model, loaded is None)
+    lookup = lookup_policy(lookup, loaded is None)
     if loaded is None and (lookup is None or not (captured or all(c.is_trimmable() for c in cache))):
         return None
     for c in cache:
@@ -109,15 +111,14 @@ def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured
             log.warning("mtp_plugin: a rotating KV cache of %d tokens could wrap during this generation and "
                         "cannot be rolled back after a rejected draft; decoding without MTP.", c.max_size)
             return None
-    automatic = depth is None or (type(depth) is int and depth == 0)  # the CLI's --mtp-depth (0: adaptive)
-    depth = CLI["depth"] if automatic else depth
+    automatic = depth is None or (type(depth) is int and depth == 0)  # resolved already (``options.resolve``)
     sampling = None if sampler is None else SAMPLINGS[sampler]  # None: greedy (also mlx-lm's temp=0 sampler)
     if loaded is None:
         policy = 1  # no head: never asked (the loop drafts from the context or steps plain)
     elif sampling is not None and automatic and not depth:
         # Sampling: the same seed must give the same tokens, as in stock mlx-lm, so the depth must not depend
         # on timing (the adaptive controller): decisions from counts only; tuned plain: stock decoding.
-        policy = sampled_policy(loaded)
+        policy = sampled_policy(loaded, model)
         if policy is None:
             return None
     else:
@@ -137,6 +138,7 @@ def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured
         "prefill_history": PREFILL_IN_HISTORY,
         "stats": stats,
         "lookup": lookup,
+        "costs": costs_of(model).of(1),
         "cache_step": kv_quantizer(kwargs["kv_bits"], kwargs["kv_group_size"], kwargs["quantized_kv_start"]),
     }
 
@@ -194,14 +196,13 @@ def mtp_generate_step(generate_step, captured: dict[str, bool]):
         model_type = loaded.location.model_type if loaded is not None else getattr(model, "model_type", None)
         if loaded is not None:
             loaded.stats = None  # this generation's counters, None unless it decodes with MTP
-        enable_mtp = CLI["enabled"] if enable_mtp is None else enable_mtp
-        lookup = CLI["lookup"] if mtp_lookup is None else mtp_lookup
-        if enable_mtp and loaded is None and not lookup:
-            warn_headless(model, CLI["depth"] if mtp_depth is None else mtp_depth)
+        asked = resolve(enable_mtp, mtp_depth, mtp_lookup)
+        if asked.enabled and loaded is None and not asked.lookup:
+            warn_headless(model, asked.depth)
         options = None
         stream = args[0] if args else kwargs.get("stream", generation_stream())
-        if enable_mtp and (loaded is not None or group_of(model) is None) and rollback_ready(captured, model_type):
-            options = decoding_options(model, loaded, prompt, mtp_depth, {**defaults, **kwargs}, lookup,
+        if asked.enabled and (loaded is not None or group_of(model) is None) and rollback_ready(captured, model_type):
+            options = decoding_options(model, loaded, prompt, asked.depth, {**defaults, **kwargs}, asked.lookup,
                                        captured.get(model_type, False))
         if loaded is None and (options is not None or hasattr(model, "mtp_lookup_stats")):
             model.mtp_lookup_stats = None if options is None else options["stats"]  # a model without a head
@@ -262,9 +263,10 @@ def print_summary(generate):
         if loaded is not None:
             loaded.stats = None
             # a draft model: mlx-lm's speculative decoding, stock
-            enabled = kwargs.get("enable_mtp", CLI["enabled"]) and kwargs.get("draft_model") is None
+            asked = resolve(kwargs.get("enable_mtp"), kwargs.get("mtp_depth"))
+            enabled = asked.enabled and kwargs.get("draft_model") is None
             if kwargs.get("verbose") and enabled:
-                announce(loaded, kwargs.get("mtp_depth") or CLI["depth"])
+                announce(loaded, asked.depth)
         text = generate(model, tokenizer, prompt, *args, **kwargs)
         stats = loaded.stats if loaded is not None else getattr(model, "mtp_lookup_stats", None)
         if kwargs.get("verbose") and stats is not None:
@@ -275,17 +277,18 @@ def print_summary(generate):
 
 
 class _SetCLI(argparse.Action):
-    """Store the option's value (or ``const`` for a flag) in the namespace and in ``CLI``."""
+    """Store the option's value (or ``const`` for a flag) in the namespace and in the command line's MTP options
+    (``options.set_command_line``)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         value = self.const if self.nargs == 0 else values
         setattr(namespace, self.dest, value)
-        CLI[self.dest] = value
+        set_command_line(**{**dataclasses.asdict(command_line()), self.dest: value})
 
 
 def add_mtp_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--mtp-depth N``, ``--no-mtp``, ``--mtp-lookup`` and ``--no-mtp-lookup`` to a runtime's parser; parsing them
-    sets ``CLI``."""
+    sets the command line's MTP options."""
     parser.add_argument("--mtp-depth", dest="depth", type=int, default=0, action=_SetCLI, metavar="N",
                         choices=range(MAX_DEPTH + 1),
                         help=f"MTP draft depth 1-{MAX_DEPTH} (0: adaptive). Needs a checkpoint with an MTP head.")
@@ -299,7 +302,7 @@ def add_mtp_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_cli_flags(setup_arg_parser):
-    """Wrap ``setup_arg_parser``: add the MTP flags (``add_mtp_arguments``; they set ``CLI``)."""
+    """Wrap ``setup_arg_parser``: add the MTP flags (``add_mtp_arguments``)."""
 
     @functools.wraps(setup_arg_parser)
     def wrapper(*args, **kwargs):
@@ -311,5 +314,5 @@ def add_cli_flags(setup_arg_parser):
 
 
 def announce(loaded, depth: int) -> None:
-    """One line on stderr: MTP is on, which head from where, at what depth (0: adaptive)."""
+    """One line on stderr: MTP is on, which head from where, at what depth (None or 0: adaptive)."""
     print(f"MTP on: {loaded.summary()}, depth {depth or 'adaptive'}", file=sys.stderr)

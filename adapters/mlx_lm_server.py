@@ -27,6 +27,7 @@ import threading
 from dataclasses import dataclass
 
 from mtp_plugin.decoding import MAX_DEPTH
+from mtp_plugin.options import MTPOptions, resolve, set_command_line
 from mtp_plugin.stats import MTPStats
 
 from .mlx_lm_batching import (
@@ -37,7 +38,6 @@ from .mlx_lm_batching import (
     log_summary,
     start_generation,
 )
-from .mlx_lm_decoding import CLI
 
 PLUGIN_NAMES = ("mtp",)
 SERVING = "mtp_serving"  # set on the server's own LRUPromptCache (``serving_cache``)
@@ -47,7 +47,7 @@ _routing = threading.local()  # the MTP options of the request the generation th
 
 
 class MTPRequestError(ValueError):
-    """A request's MTP option has a bad value; answered with HTTP 400 and this message."""
+    """A request's MTP option has a bad value, or its prompt is empty; answered with HTTP 400 and this message."""
 
 
 @dataclass
@@ -55,7 +55,7 @@ class MTPRequest:
     """A request's MTP options and, once served, its counters.
 
     Attributes:
-        enabled: ``enable_mtp`` of the request, None for the server default (``--no-mtp``).
+        enabled: ``enable_mtp`` of the request, None for the server default (``--no-mtp``; ``options.resolve``).
         depth: ``mtp_depth`` of the request; None or 0 for the server's ``--mtp-depth`` (0 there: automatic).
         lookup: ``mtp_lookup`` of the request, None for the server default (``--[no-]mtp-lookup``).
         stats: the counters of its generation, None when it did not decode with MTP.
@@ -69,7 +69,11 @@ class MTPRequest:
     @property
     def wanted(self) -> bool:
         """Whether the request asks for MTP (explicitly or by the server default)."""
-        return CLI["enabled"] if self.enabled is None else self.enabled
+        return self.resolved().enabled
+
+    def resolved(self) -> MTPOptions:
+        """The request's options over the server's (``options.resolve``)."""
+        return resolve(self.enabled, self.depth, self.lookup)
 
 
 def parse_request(body: dict) -> MTPRequest:
@@ -99,8 +103,8 @@ SERVER_HELP = {  # mlx-lm's server decodes with MTP by default
 
 def strip_cli_flags(main, prog: str = "mlx_lm.server", helps: dict = SERVER_HELP):
     """Wrap a server's ``main`` (``mlx_lm.server``, ``mlx_vlm.server``): consume ``--plugin``, ``--mtp-depth``,
-    ``--no-mtp`` and ``--[no-]mtp-lookup`` from ``sys.argv`` (``CLI``); ``-h`` lists them, with ``helps`` (keys
-    ``plugin``, ``depth``, ``off``, ``lookup``, ``no_lookup``), before the server's own options."""
+    ``--no-mtp`` and ``--[no-]mtp-lookup`` from ``sys.argv`` (``options.set_command_line``); ``-h`` lists them, with
+    ``helps`` (keys ``plugin``, ``depth``, ``off``, ``lookup``, ``no_lookup``), before the server's own options."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -116,7 +120,7 @@ def strip_cli_flags(main, prog: str = "mlx_lm.server", helps: dict = SERVER_HELP
         if "-h" in rest or "--help" in rest:
             parser.print_help()
             print()
-        CLI["depth"], CLI["enabled"], CLI["lookup"] = ours.mtp_depth, not ours.no_mtp, ours.lookup
+        set_command_line(depth=ours.mtp_depth, enabled=not ours.no_mtp, lookup=ours.lookup)
         sys.argv[1:] = rest
         return main(*args, **kwargs)
 
@@ -124,11 +128,15 @@ def strip_cli_flags(main, prog: str = "mlx_lm.server", helps: dict = SERVER_HELP
 
 
 def read_request_options(validate):
-    """Wrap ``APIHandler.validate_model_parameters``: also read and validate the request's MTP options."""
+    """Wrap ``APIHandler.validate_model_parameters``: also read and validate the request's MTP options, and refuse an
+    empty completion prompt (mlx-lm's generation thread dies on one, and every later request with it)."""
 
     @functools.wraps(validate)
     def wrapper(self, *args, **kwargs):
         validate(self, *args, **kwargs)
+        prompt = self.body.get("prompt")
+        if isinstance(prompt, (str, list)) and not prompt:
+            raise MTPRequestError("prompt is empty: send at least one token")
         self.mtp_request = _handler.request = parse_request(self.body)
 
     return wrapper
@@ -246,8 +254,8 @@ def pass_options(stream_generate):
     def wrapper(model, tokenizer, prompt, *args, **kwargs):
         options = getattr(_serving, "request", None)
         loaded = getattr(model, "mtp_head", None)
-        lookup = CLI["lookup"] if options is None or options.lookup is None else options.lookup
-        if options is None or (loaded is None and not lookup) or kwargs.get("draft_model") is not None:
+        headless_off = loaded is None and not (options is not None and options.resolved().lookup)
+        if options is None or headless_off or kwargs.get("draft_model") is not None:
             yield from stream_generate(model, tokenizer, prompt, *args, **kwargs)  # a draft model: stock
             return
         if loaded is not None:

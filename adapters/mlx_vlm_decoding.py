@@ -14,7 +14,7 @@
   custom sampler and the KV caches with one warning).
 * ``generate`` is wrapped to print the MTP line of the generation after mlx-vlm's figures (``verbose``).
 * ``python -m mlx_vlm generate`` gains ``--mtp-depth N`` and ``--no-mtp`` (``cli_argparse``), which set the
-  defaults of ``mtp_depth`` / ``enable_mtp`` as they do for mlx-lm (``mlx_lm_decoding.CLI``).
+  defaults of ``mtp_depth`` / ``enable_mtp`` as they do for mlx-lm (``options.resolve``).
 
 mlx-vlm's own Qwen3.5 MTP drafter runs only when asked for (``--draft-model DIR --draft-kind mtp``) and
 reads only ``mtp.*`` tensors of the directory's top-level ``*.safetensors`` (read in 0.7.10's splitter);
@@ -32,13 +32,15 @@ import types
 import mlx.core as mx
 
 from mtp_plugin.lookup import lookup_policy
+from mtp_plugin.options import resolve
 from mtp_plugin.plugins import hook
+from mtp_plugin.scheduler import costs_of
 from mtp_plugin.stats import MTPStats
 from mtp_plugin.trunk import PromptInputs, multimodal
 from mtp_plugin.tuning import depth_policy, sampled_policy
 
 from .capture import rollback_ready
-from .mlx_lm_decoding import CLI, add_mtp_arguments, announce, warn_headless
+from .mlx_lm_decoding import add_mtp_arguments, announce, warn_headless
 from .mlx_vlm_sampling import sampling
 from .patching import release
 
@@ -166,7 +168,7 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, position
     if sampled is not None and (depth is None or (type(depth) is int and depth == 0)):
         # A seed must fix the tokens, as in stock mlx-vlm: the depth of a sampled generation may not depend on
         # timing (the adaptive controller); decisions from counts only (tuned plain: stock decoding).
-        policy = sampled_policy(loaded)
+        policy = sampled_policy(loaded, model.language_model)
         if policy is None:
             return None
 
@@ -188,7 +190,8 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, position
         "one_pass": not chunked,
         "prompt_progress_callback": prefill_bar() if chunked and args.get("verbose") else None,
         "stats": loaded.stats,
-        "lookup": lookup_policy(lookup, model, False),
+        "lookup": lookup_policy(lookup, False),
+        "costs": costs_of(model.language_model).of(1),
         # a trunk without multimodal positions (Qwen3-Next) takes text only: its plain token pass is mlx-vlm's own
         "prompt_inputs": prompt_inputs(model, args, extra) if multimodal(model) else None,
     }
@@ -235,13 +238,12 @@ def mtp_generate_step(generate_step, ar, captured: dict[str, bool]):
 
     Added keywords: ``enable_mtp`` (False: stock decoding), ``mtp_depth`` (draft depth 1-8; None: adaptive) and
     ``mtp_lookup`` (drafts from the context too: ``lookup.lookup_policy``); when not given, the command line's
-    ``--no-mtp`` / ``--mtp-depth`` / ``--[no-]mtp-lookup`` (``CLI``) decide.
+    ``--no-mtp`` / ``--mtp-depth`` / ``--[no-]mtp-lookup`` decide (``options.resolve``).
     """
     @functools.wraps(generate_step)
     def wrapper(input_ids, model, pixel_values, mask, *, mtp_depth=None, enable_mtp=None, mtp_lookup=None, **kwargs):
-        enable_mtp = CLI["enabled"] if enable_mtp is None else enable_mtp
-        mtp_lookup = CLI["lookup"] if mtp_lookup is None else mtp_lookup
-        mtp_depth = (CLI["depth"] or None) if mtp_depth is None else mtp_depth
+        asked = resolve(enable_mtp, mtp_depth, mtp_lookup)
+        enable_mtp, mtp_depth, mtp_lookup = asked.enabled, asked.depth, asked.lookup
         loaded = getattr(model, "mtp_head", None)
         model_type = loaded.location.model_type if loaded is not None else None
         if loaded is not None:

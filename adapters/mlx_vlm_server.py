@@ -38,7 +38,6 @@ from mtp_plugin.decoding import MAX_DEPTH
 from mtp_plugin.plugins import hook
 
 from .capture import rollback_ready
-from .mlx_lm_decoding import CLI
 from .mlx_lm_server import MTPRequest, MTPRequestError, parse_request, strip_cli_flags
 from .mlx_vlm_decoding import KV_CACHE_OPTIONS, decoding_options, step_arguments
 from .patching import release
@@ -294,7 +293,8 @@ class Lanes:
         options = getattr(args, "mtp", None) or MTPRequest()
         if options.enabled is not None:
             return options.enabled
-        return CLI["enabled"] and bool(options.depth or CLI["depth"])
+        asked = options.resolved()
+        return asked.enabled and asked.depth is not None
 
     def _stock_reason(self, args, thinking) -> str | None:
         """Why a request that wants MTP joins the batch, or None."""
@@ -320,14 +320,14 @@ class Lanes:
             return None
         loaded = self.model.mtp_head
         options = getattr(args, "mtp", None) or MTPRequest()
-        depth = options.depth or CLI["depth"] or None
+        asked = options.resolved()
         limit = max_tokens[0] if isinstance(max_tokens, list) else max_tokens or self.stock.max_tokens
         named, extra, positioned = self._arguments(args, limit, processors or [], keywords)
         input_ids = mx.array([prompt])
         known = {k: v for k, v in named.items() if k in inspect.signature(self.ar.generate_step).parameters}
         arguments, _ = step_arguments(self.ar.generate_step, input_ids, self.model, None, None, **known)
-        lookup = CLI["lookup"] if options.lookup is None else options.lookup
-        decoding = decoding_options(self.ar, self.model, loaded, depth, arguments, extra, positioned, lookup)
+        decoding = decoding_options(self.ar, self.model, loaded, asked.depth, arguments, extra, positioned,
+                                    asked.lookup)
         if decoding is None:
             return None
         decoding["prefill_history"] = True  # the batch's processors see the whole prompt (its token context)

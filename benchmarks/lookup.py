@@ -3,14 +3,16 @@ head set aside, as on a checkpoint without one) and both (the default), on an ed
 suite; and the host cost of the lookup index.
 
     python benchmarks/lookup.py --model build/deep48 [--dtype bfloat16] [--max-tokens 128] [--repeats 3]
-        [--out benchmarks/results]
+        [--temperature 1.0] [--out benchmarks/results]
 
 Edit workload: each suite prompt (``measure.code_prompts``: about 1000 characters of standard-library source), then a
 blank line and its first lines again, so that a model that copies goes on repeating the source (the tiny checkpoints
 do not follow instructions; a real model would be asked to reproduce the text with a change). Ordinary suite: the
 prompts as they are, where little repeats. Candidates are decoded greedily through mlx-lm's ``generate_step`` as
 patched, interleaved (``measure.candidates``); each figure is the median over repeats, and ``vs MTP`` is the median of
-the per-repeat ratios. Every candidate's tokens are checked against plain decoding's.
+the per-repeat ratios. Every candidate's tokens are checked against plain decoding's. ``--temperature T`` samples
+instead (mlx-lm's sampler; every candidate of a prompt and repeat from the same seed: paired runs), where the tokens
+follow the trunk's distribution, not plain decoding's draws, and are not compared.
 """
 
 import argparse
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load
+from mlx_lm.sample_utils import make_sampler
 
 from mtp_plugin import tuning
 from mtp_plugin.commands import measure
@@ -42,10 +45,11 @@ def edit_prompts(sources: list[str]) -> list[str]:
     return [text + "\n\n" + "".join(text.splitlines(keepends=True)[:RESTATED_LINES]) for text in sources]
 
 
-def index_cost(tokens: int = 4096, repeats: int = 5) -> float:
+def index_cost(tokens: int, repeats: int = 5) -> float:
     """Microseconds of host time per committed token for the lookup index (``ContextIndex.extend`` of the token and
-    one ``propose`` of 16), over a context of ``tokens`` synthetic ids; median of ``repeats``."""
-    ids = [(i * 7919) % 2003 for i in range(tokens)]
+    one ``propose`` of 16), over a context of ``tokens`` synthetic ids whose second half repeats the first (each
+    proposal there matches half the context back); median of ``repeats``."""
+    ids = [(i * 7919) % (tokens // 2) for i in range(tokens)]
     times = []
     for _ in range(repeats):
         index, start = ContextIndex(), time.perf_counter()
@@ -56,21 +60,26 @@ def index_cost(tokens: int = 4096, repeats: int = 5) -> float:
     return statistics.median(times) * 1e6
 
 
-def run(model, prompts: list[list[int]], max_tokens: int, repeats: int, label: str) -> tuple[dict, dict]:
+def run(model, prompts: list[list[int]], max_tokens: int, repeats: int, label: str,
+        temperature: float = 0.0) -> tuple[dict, dict]:
     """``(results, totals)``: ``measure.Result`` per candidate, and the summed ``MTPStats`` of each MTP candidate."""
     head = model.mtp_head
     generate_step = importlib.import_module("mlx_lm.generate").generate_step
-    reference = {}
+    reference, calls = {}, {}
+    sampler = make_sampler(temperature) if temperature > 0 else None
 
     def setup(name):
         model.mtp_head = None if name == "lookup" else head
 
     def decode(prompt, max_tokens, name):
-        tokens = []
-        for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, **CANDIDATES[name or "plain"]):
+        tokens, key = [], (tuple(prompt), max_tokens)
+        calls[key, name] = calls.get((key, name), -1) + 1
+        mx.random.seed(calls[key, name])  # the n-th run of a prompt: one seed for every candidate
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=sampler,
+                                      **CANDIDATES[name or "plain"]):
             tokens.append(token)
             yield token
-        if reference.setdefault((tuple(prompt), max_tokens), tokens) != tokens:
+        if sampler is None and reference.setdefault(key, tokens) != tokens:
             raise SystemExit(f"{name} decoded other tokens than plain decoding: a bug, please report it")
 
     def stats():
@@ -106,10 +115,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=[*DTYPES, "none"])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)")
     parser.add_argument("--out", type=Path, help="directory for the dated result file")
     args = parser.parse_args()
-    if args.max_tokens < 2 or args.repeats < 1:
-        parser.error("--max-tokens must be >= 2 and --repeats >= 1")
+    if args.max_tokens < 2 or args.repeats < 1 or args.temperature < 0:
+        parser.error("--max-tokens must be >= 2, --repeats >= 1 and --temperature >= 0")
     model, tokenizer = load(str(args.model))
     if model.mtp_head is None:
         parser.exit(1, f"{args.model}: no usable MTP head (the bench compares the head with lookup drafts)\n")
@@ -119,7 +129,8 @@ def main() -> None:
     workloads = {"edit": [tokenizer.encode(p) for p in edit_prompts(sources)],
                  "ordinary": [tokenizer.encode(p) for p in sources]}
     shown = os.path.relpath(args.model.resolve(), REPO)
-    lines = [f"prompt lookup beside the head: model {args.model.name} ({shown}), dtype {args.dtype}, greedy, "
+    decoding = f"sampled at temperature {args.temperature:g}" if args.temperature else "greedy"
+    lines = [f"prompt lookup beside the head: model {args.model.name} ({shown}), dtype {args.dtype}, {decoding}, "
              f"{args.max_tokens} tokens per prompt, median of {args.repeats} runs",
              f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
              f"machine: {json.dumps(tuning.machine())}, {os.cpu_count()} CPUs",
@@ -127,15 +138,16 @@ def main() -> None:
              "candidates: plain (MTP off), MTP (the head only, adaptive depth), lookup (lookup drafts only: the head "
              "set aside), both (the default: head and lookup drafts)"]
     for name, prompts in workloads.items():
-        results, totals = run(model, prompts, args.max_tokens, args.repeats, f"lookup bench: {name}")
+        results, totals = run(model, prompts, args.max_tokens, args.repeats, f"lookup bench: {name}", args.temperature)
         lines += ["", f"{name} workload: prompts of {', '.join(str(len(p)) for p in prompts)} tokens",
                   *table(results, totals)]
-    lines += ["", f"lookup index host cost: {index_cost():.1f} us per committed token (extend + one propose of 16, "
-                  "4096-token context)"]
+    lines += [""] + [f"lookup index host cost: {index_cost(n):.1f} us per committed token (extend + one propose of 16, "
+                     f"{n}-token context)" for n in (4096, 32768)]
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:
-        path = measure.write_result(args.out, f"lookup-{args.model.name}-{args.dtype}", text)
+        sampled = f"-t{args.temperature:g}".replace(".", "") if args.temperature else ""
+        path = measure.write_result(args.out, f"lookup-{args.model.name}-{args.dtype}{sampled}", text)
         print(f"written to {os.path.relpath(path, REPO)}")
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/server_load.py [--model examples/tiny-qwen3_5/hf] [--concurrency 1 2 4 8]
                                      [--requests 8] [--repeats 3] [--time-cap 900] [--out benchmarks/results]
+                                     [--repeating] [--variant no-lookup=--no-mtp-lookup]
     python benchmarks/server_load.py --runtime mlx_vlm --model build/tiny-qwen3_5-vl [--image picture.png]
 
 ``--runtime mlx_lm`` (default) runs ``mlx_lm.server`` with completions; ``mlx_vlm`` runs ``mlx_vlm.server`` with
@@ -10,13 +11,14 @@ attaches a picture to every other request).
 
 Starts three servers on loopback ports: stock (``MTP_PLUGIN_DISABLE=1``), a second stock one (the control), and
 the plugin's. For each concurrency c, c clients each send ``--requests`` greedy completions that alternate long
-(128 tokens) and short (16 tokens) code prompts, against each server in turn (interleaved, rotating the order,
-``--repeats`` times). Prints, per c, the aggregate tokens/s of each server, the plugin's ratio to stock and the
-control's (stock against stock: the run's noise floor; mlx-lm's server admits a new request only between its
-0.5 s generation windows, so how requests overlap, and the throughput, shifts from run to run), the p50/p95
-latency of the short requests (they arrive while long ones decode) and their ratio, and the plugin's
-acceptance and drafted tokens per generated token (``timings`` of its responses). Ratios are medians over
-repeats of one run. Bounded: a fixed number of requests, ``--time-cap`` seconds in all, loopback only.
+(128 tokens) and short (16 tokens) code prompts (with ``--repeating``, every other long one a prompt whose greedy
+continuation repeats it: prompt-lookup drafts pay there), against each server in turn (interleaved, rotating the
+order, ``--repeats`` times). ``--variant NAME=ARGS`` adds a plugin server run with those flags. Prints, per c and
+server, the aggregate tokens/s and its ratio to stock's (the control's ratio is the run's noise floor: mlx-lm's
+server admits a new request only between its 0.5 s generation windows, so how requests overlap, and the throughput,
+shifts from run to run), the p50 latency of the short requests (they arrive while long ones decode) and its ratio,
+their p95, and the acceptance and drafted tokens per generated token (``timings`` of the responses). Ratios are
+medians over repeats of one run. Bounded: a fixed number of requests, ``--time-cap`` seconds in all, loopback only.
 """
 
 import argparse
@@ -40,8 +42,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from mtp_plugin import tuning
+from mtp_plugin.files import atomic_write
 
 REPO = Path(__file__).resolve().parents[1]
+REPEATING = "def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n\n\n" * 3 + \
+    "def read_config(path):\n"  # the fixtures' greedy continuation repeats the text above
 PROMPTS = ["def read_config(path):\n", "import os\n\n\ndef main():\n", "class Parser:\n    def __init__(self",
            "for line in lines:\n", "    return self._", "# Copyright\nimport sys\n"]
 LONG, SHORT = 128, 16
@@ -94,15 +99,16 @@ class Server:
         self.log.close()
 
 
-def workload(clients: int, requests: int, image: str | None = None) -> list[list[dict]]:
+def workload(clients: int, requests: int, image: str | None = None, repeating: bool = False) -> list[list[dict]]:
     """Per client, its requests in order: long and short alternating (odd clients start short); with ``image`` (a
-    data URL), every other request carries it."""
+    data URL), every other request carries it; with ``repeating``, every other long request repeats its prompt."""
     out = []
     for c in range(clients):
         bodies = []
         for i in range(requests):
             n = LONG if (i + c) % 2 == 0 else SHORT
-            bodies.append({"prompt": PROMPTS[(c + i) % len(PROMPTS)], "max_tokens": n, "temperature": 0.0})
+            prompt = REPEATING if repeating and n == LONG and (i // 2 + c) % 2 == 0 else PROMPTS[(c + i) % len(PROMPTS)]
+            bodies.append({"prompt": prompt, "max_tokens": n, "temperature": 0.0})
             if image is not None and (c + i // 2) % 2:
                 bodies[-1]["image"] = image
         out.append(bodies)
@@ -139,7 +145,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    """Parse arguments, run both servers through every concurrency, print (and maybe write) the table."""
+    """Parse arguments, run every server through every concurrency, print (and maybe write) the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runtime", choices=["mlx_lm", "mlx_vlm"], default="mlx_lm", help="whose server")
     parser.add_argument("--model", type=Path, default=REPO / "examples" / "tiny-qwen3_5" / "hf")
@@ -148,22 +154,29 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8, help="requests per client (default 8)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per server and concurrency")
     parser.add_argument("--time-cap", type=float, default=900.0, help="seconds for the whole benchmark")
+    parser.add_argument("--repeating", action="store_true", help="every other long request repeats its prompt")
     parser.add_argument("--plugin-args", default="", help="extra arguments of the plugin's server, e.g. '--no-mtp'")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                        help="another plugin server with these flags, e.g. no-lookup=--no-mtp-lookup")
     parser.add_argument("--out", type=Path, help="directory for the dated result file")
     args = parser.parse_args()
     if min(args.concurrency) < 1 or args.requests < 1 or args.repeats < 1:
         parser.error("--concurrency, --requests and --repeats must be at least 1")
     if args.image is not None and args.runtime != "mlx_vlm":
         parser.error("--image needs --runtime mlx_vlm")
+    if any("=" not in v for v in args.variant):
+        parser.error("--variant takes NAME=ARGS")
     image = None
     if args.image is not None:
         kind = mimetypes.guess_type(args.image.name)[0] or "image/png"
         image = f"data:{kind};base64," + base64.b64encode(args.image.read_bytes()).decode()
 
     logs = Path(tempfile.mkdtemp(prefix="mtp-server-load-"))
+    plugins = {"plugin": args.plugin_args, **dict(v.split("=", 1) for v in args.variant)}
     servers = {"stock": Server(args.runtime, args.model, True, logs / "stock.log"),
                "control": Server(args.runtime, args.model, True, logs / "control.log"),
-               "plugin": Server(args.runtime, args.model, False, logs / "plugin.log", tuple(args.plugin_args.split()))}
+               **{name: Server(args.runtime, args.model, False, logs / f"{name}.log", tuple(flags.split()))
+                  for name, flags in plugins.items()}}
     deadline = time.monotonic() + args.time_cap
     rows = []
     try:
@@ -176,28 +189,24 @@ def main() -> None:
                 print(f"time cap reached at concurrency {c}, repeat {r}", file=sys.stderr)
                 break
             names = list(servers)
-            for name in names[r % 3:] + names[: r % 3]:
-                results[c][name].append(run_load(servers[name], workload(c, args.requests, image)))
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                results[c][name].append(run_load(servers[name], workload(c, args.requests, image, args.repeating)))
         for c in args.concurrency:
-            stock, control, plugin = (results[c][name] for name in ("stock", "control", "plugin"))
-            runs = min(len(stock), len(control), len(plugin))
+            runs = min(len(v) for v in results[c].values())
             if not runs:
                 continue
-            stock, control, plugin = stock[:runs], control[:runs], plugin[:runs]
-            ratios = [p["tok_s"] / s["tok_s"] for s, p in zip(stock, plugin, strict=True)]
-            noise = [k["tok_s"] / s["tok_s"] for s, k in zip(stock, control, strict=True)]
-            p50 = [percentile(p["short"], 50) / percentile(s["short"], 50) for s, p in zip(stock, plugin, strict=True)]
-            drafted, accepted = sum(p["drafted"] for p in plugin), sum(p["accepted"] for p in plugin)
-            tokens = sum(p["tokens"] for p in plugin)
-            rows.append((c, statistics.median(s["tok_s"] for s in stock), statistics.median(p["tok_s"] for p in plugin),
-                         statistics.median(ratios), statistics.median(noise),
-                         statistics.median(percentile(s["short"], 50) for s in stock),
-                         statistics.median(percentile(p["short"], 50) for p in plugin), statistics.median(p50),
-                         statistics.median(percentile(k["short"], 50) / percentile(s["short"], 50)
-                                           for s, k in zip(stock, control, strict=True)),
-                         statistics.median(percentile(s["short"], 95) for s in stock),
-                         statistics.median(percentile(p["short"], 95) for p in plugin),
-                         accepted / drafted if drafted else 0.0, drafted / tokens if tokens else 0.0))
+            stock = results[c]["stock"][:runs]
+            for name in servers:
+                done = results[c][name][:runs]
+                drafted, accepted = sum(p["drafted"] for p in done), sum(p["accepted"] for p in done)
+                tokens = sum(p["tokens"] for p in done)
+                rows.append((c, name, statistics.median(p["tok_s"] for p in done),
+                             statistics.median(p["tok_s"] / s["tok_s"] for s, p in zip(stock, done, strict=True)),
+                             statistics.median(percentile(p["short"], 50) for p in done),
+                             statistics.median(percentile(p["short"], 50) / percentile(s["short"], 50)
+                                               for s, p in zip(stock, done, strict=True)),
+                             statistics.median(percentile(p["short"], 95) for p in done),
+                             accepted / drafted if drafted else 0.0, drafted / tokens if tokens else 0.0))
     finally:
         for server in servers.values():
             server.stop()
@@ -207,22 +216,21 @@ def main() -> None:
         versions["mlx-vlm"] = importlib.metadata.version("mlx-vlm")
     header = [f"server load: {args.runtime}.server, {args.model.name}, greedy, {args.requests} requests per client "
               f"(long {LONG} / short {SHORT} tokens alternating"
+              + ("; every other long one repeats its prompt" if args.repeating else "")
               + (f"; every other one with {args.image.name}" if image else "")
-              + f"), median of {args.repeats} interleaved runs"
-              + (f", plugin server {args.plugin_args}" if args.plugin_args else ""),
+              + f"), median of {args.repeats} interleaved runs; "
+              + ", ".join(f"{name}: {flags or 'defaults'}" for name, flags in plugins.items()),
               f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
               f"machine: {json.dumps(tuning.machine())}, {os.cpu_count()} CPUs",
               f"versions: {json.dumps(versions)}",
-              "clients  stock tok/s  plugin tok/s  ratio  control | short p50 s: stock plugin ratio control"
-              " | short p95 s: stock plugin | acceptance drafted/token"]
-    lines = [f"{c:7d}  {s:11.1f}  {p:12.1f}  {ratio:5.2f}  {aa:7.2f} | {s50:18.3f} {p50:6.3f} {r50:5.2f} {a50:7.2f} | "
-             f"{s95:18.3f} {p95:6.3f} | {acc:10.2f} {per:15.2f}"
-             for c, s, p, ratio, aa, s50, p50, r50, a50, s95, p95, acc, per in rows]
+              "clients  server      tok/s  / stock | short p50 s  / stock | short p95 s | acceptance drafted/token"]
+    lines = [f"{c:7d}  {name:10s} {tok:6.1f}  {ratio:7.2f} | {p50:11.3f}  {r50:7.2f} | {p95:11.3f} | "
+             f"{acc:10.2f} {per:15.2f}" for c, name, tok, ratio, p50, r50, p95, acc, per in rows]
     text = "\n".join(header + lines) + "\n"
     print(text, end="")
     if args.out:
         path = result_path(args.out, "server-load", args.runtime, args.model)
-        path.write_text(text)
+        atomic_write(path, lambda tmp: tmp.write_text(text))
         print(f"written to {path}")
 
 

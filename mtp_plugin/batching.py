@@ -48,7 +48,7 @@ from .decoding import (
     reject_nonfinite,
 )
 from .drafter import PendingPairs, draft_logits, log_softmax, propose
-from .lookup import LookupPolicy
+from .scheduler import RowState
 from .stats import MTPStats
 
 
@@ -69,8 +69,8 @@ class Row:
         head_whole: whether the head's cache holds a pair for every context position from the first (a runtime
             may keep such a cache for later requests that reuse this one's context); False once a park longer
             than ``drafter.HISTORY_WINDOW`` dropped pairs.
-        lookup: the row's drafts from its context (``lookup.LookupPolicy``; its index holds every token up to
-            ``last``), or None.
+        schedule: what the scheduler keeps of the row (``scheduler.RowState``): the acceptance of its head drafts
+            and its drafts from the context (``lookup``: its index holds every token up to ``last``; None: none).
     """
 
     last: int
@@ -82,7 +82,7 @@ class Row:
     depth: int | None = None
     stats: MTPStats = field(default_factory=MTPStats)
     head_whole: bool = True
-    lookup: LookupPolicy | None = None
+    schedule: RowState = field(default_factory=RowState)
 
     def keep(self, hidden: mx.array, tokens: mx.array) -> None:
         """Committed pairs (hidden (1, n, H), tokens (n,)) for the head's next feed (``pending``)."""

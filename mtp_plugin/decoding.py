@@ -1,49 +1,12 @@
-"""The MTP decoding loop: draft → verify → accept/reject → commit, one verify pass of the trunk per cycle.
+"""The MTP decoding loop of one generation: draft, verify in one trunk pass, accept, commit (roll back the rest).
 
-Each cycle the head drafts ``depth`` tokens (``drafter.py``: its first step consumes the trunk hidden
-states of every token committed since its last step, so its KV cache holds the pair (h[i], x[i+1]) for
-the whole context), the trunk verifies ``[last token, drafts…]`` in one batched pass, and caches are
-rolled back to the accepted prefix (``rollback.py``) without running any token through the trunk again.
-
-Acceptance. Greedy: a draft is accepted iff it equals the trunk's argmax at its position, so the
-output is the trunk's own greedy output. Sampling: exact speculative sampling (Leviathan et al. 2023,
-"Fast Inference from Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023): accept
-draft d with probability min(1, p(d)/q(d)), on the first rejection sample the residual distribution
-norm(max(p − q, 0)), and sample a bonus token from p when every draft is accepted; p is the trunk's
-distribution after the runtime's logits processors and sampler filters, q the head's after the same
-filters, so the output distribution is exactly the trunk's. A runtime that keys each token's randomness
-by its position (mlx-vlm's seeded sampler) has its own draws used instead (``Sampling.keyed``): every emitted
-token is the one the runtime would draw there, and a draft is accepted iff it equals it.
-
-A broken head never reaches the output: a cycle whose head output is not finite (NaN/Inf) counts as
-rejected inside the acceptance computation (q taken as 0, so the residual is p itself) and its accepted
-count is read back as ``NONFINITE`` in the same host sync (``reject_nonfinite``); the head's
-``health.HeadHealth`` then parks it, as it does a head that accepts (almost) nothing over its first
-cycles, and the rest of the generation is plain decoding.
-
-Drafts from the context (``lookup.py``): before each cycle a lookup policy may verify the tokens that followed an
-earlier occurrence of the context's last few tokens instead of the head's drafts (a point-mass proposal when sampling:
-q is one-hot at each draft); such a cycle runs no head step, and a model without a head decodes with lookup cycles and
-plain steps only.
-
-Depth: fixed, or chosen per cycle by a policy (``controller.DepthController``: adaptive depth, which
-may also "park" on plain decoding steps when no depth is predicted to beat plain decoding). The policy
-is fed each cycle's accepted count and its cost: the seconds spent in this loop queueing it (draft,
-verify), waiting for it and on its bookkeeping (the consumer's time between yields excluded).
-
-Host synchronisation: one per cycle (the accepted count and the block of tokens), where plain
-decoding syncs once per token. Like mlx-lm's plain loop, each block's successor is queued before the
-block is yielded, so the consumer's time overlaps the next pass; after a plain step (or the prompt pass)
-the successor, plain step or cycle, is built on the lazy token before it is read. A cycle's successor
-depends on its accepted count, so it is built after that count is read.
-
-Logits processors see exactly the sequences they see in plain decoding: one call per token, with every token
-up to it, made before that token is yielded, and none for a rejected draft or past the last yielded token
-(plain decoding's call for the token after the last one it yields included). A verify pass with processors is
-read position by position (``Walk``: one host read per processed position, only with processors): the accepted
-drafts are yielded as they are read, and the successor is queued before the block's last token. The call for a
-block's last token comes with the successor's first position (after a consumer that stops there: in ``_settle``,
-where the trunk is run on that token anyway to leave the cache as plain decoding does).
+Greedy output is the trunk's own, token for token; sampling is exact speculative sampling (Leviathan et al. 2023,
+"Fast Inference from Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023), so the output
+distribution is the trunk's after the runtime's logits processors and sampler filters. What each cycle drafts (the
+head at a depth, the context, or a plain step) is the scheduler's decision (``scheduler.plan``); a head whose output
+is not finite, or that accepts almost nothing, is parked (``health.HeadHealth``). One host synchronisation per cycle
+(per position with logits processors: ``Walk``), and each block's successor is queued before the block is yielded,
+as in mlx-lm's own loop. How and why: docs/decoding.md.
 """
 
 from __future__ import annotations
@@ -64,11 +27,11 @@ from .drafter import log_softmax as _log_softmax
 from .health import HeadHealth
 from .lockstep import NONE, Lockstep, LockstepError
 from .lookup import LookupPolicy
+from .scheduler import PLAIN_STEP, CostModel, Decision, RowState, plan, pricing
 from .stats import MTPStats
 
 DEFAULT_DEPTH = 2
 MAX_DEPTH = 8
-LOOKUP = 100  # a cycle's decision code LOOKUP + L (L ≥ 1): verify L lookup drafts (a head depth is 0..MAX_DEPTH)
 log = logging.getLogger("mtp_plugin")
 
 
@@ -513,6 +476,7 @@ def generate(
     draft_vocab=None,
     lockstep: Lockstep | None = None,
     lookup: LookupPolicy | None = None,
+    costs: CostModel | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Generate tokens with the head as drafter and the trunk as verifier (mlx-lm ``generate_step`` contract).
 
@@ -558,8 +522,11 @@ def generate(
             depth is rank 0's, the ranks' states are checked before every cycle is queued, and the random state is
             shared at the start of a sampled generation; None on one process.
         lookup: drafts from the context as well (``lookup.LookupPolicy``, a fresh one per generation): before each
-            cycle, a lookup draft the policy finds worth its verify pass replaces the head's draft or the plain step,
-            verified and accepted by the same rules (a point-mass proposal when sampling); None: the head only.
+            cycle, a lookup draft the scheduler finds worth its verify pass (``scheduler.plan``) replaces the head's
+            draft or the plain step, verified and accepted by the same rules (a point-mass proposal when sampling);
+            None: the head only.
+        costs: the model's ``scheduler.CostModel`` of one-row passes, fed this generation's plain steps and lookup
+            cycles (measured costs decide only greedy generations on one process); None: a prior of 1 + (k − 1).
 
     Yields:
         ``(token, logprobs)``: token id (int) and the trunk's log-probs (V,) at its position.
@@ -611,53 +578,53 @@ def generate(
         lookup.index.extend(prompt.tolist())
 
     n = emitted = accepted = 0
-    proposal: list[int] = []  # the lookup drafts of the latest question, and their match length
-    match = 0
+    row = RowState(lookup, MAX_DEPTH)
+    costs = costs if costs is not None else CostModel(1.0)
+    price = pricing(costs, sampling is None and lockstep is None, [lookup])  # clocks never decide a seeded draw
+    held = None  # the policy's depth, asked for a cycle that drafted from the context instead
 
-    def ask(block: int, behind: bool = False) -> int | None:
-        """What follows a block of at least ``block`` tokens (the committed cache's step run first): a head depth
-        (``PLAIN``: a plain step), ``LOOKUP`` + L for the first L drafts of ``proposal``, or None if that block ends
-        generation; ``behind``: the block's token is not read yet (``lookup.ContextIndex.propose``). Ranks in
-        lockstep take rank 0's answer."""
-        nonlocal proposal, match
+    def ask(block: int, behind: bool = False) -> Decision | None:
+        """What follows a block of at least ``block`` tokens (the committed cache's step run first): the scheduler's
+        decision (``scheduler.plan``, one row), or None if that block ends generation; ``behind``: the block's token
+        is not read yet (``lookup.ContextIndex.propose``). Ranks in lockstep take rank 0's decision."""
+        nonlocal held
         span = loop.after_pass()
         room = max_tokens - n - block - 1 if max_tokens >= 0 else None  # drafts that could still be emitted
         if span is not None:
             room = span - 1 if room is None else min(room, span - 1)
-        take, proposal, match = 0, [], 0
-        if lookup is not None and not loop.uncaptured and (room is None or room > 0):
-            proposal, match = lookup.index.propose(lookup.settings.max_len, behind)
-            take = lookup.choose(len(proposal), match, room) if proposal else 0
         if max_tokens >= 0 and n + block >= max_tokens:
-            d = None
-        elif take:
-            d = LOOKUP + take
-        elif drafter.stopped or loop.uncaptured:
-            d = PLAIN
+            decision = None
         else:
-            d = policy.next_depth()
-            if not 0 <= d <= MAX_DEPTH:
-                raise ValueError(f"depth policy chose depth {d}; it must be 0..{MAX_DEPTH}")
-            d = d if span is None else min(d, span - 1)
-        if lockstep is not None:  # equal contexts, tokens left and options give equal lookup drafts
-            d = lockstep.agree(NONE if d is None else d, {
-                "tokens emitted": n + block, "whether the generation ends": int(d is None),
+            depth = PLAIN
+            if not (drafter.stopped or loop.uncaptured):
+                if held is None:  # the policy is asked once for each depth that runs
+                    held = policy.next_depth()
+                    if not 0 <= held <= MAX_DEPTH:
+                        raise ValueError(f"depth policy chose depth {held}; it must be 0..{MAX_DEPTH}")
+                depth = held if span is None else min(held, span - 1)
+            question = row.ask(depth, 0 if loop.uncaptured else room, behind)
+            decision = plan([question], price)[0]
+        if lockstep is not None:  # equal contexts, tokens left and options give equal decisions
+            code = lockstep.agree(NONE if decision is None else decision.code(), {
+                "tokens emitted": n + block, "whether the generation ends": int(decision is None),
                 "the tokens left to generate": max_tokens - n - block if max_tokens >= 0 else -1,
                 "whether the head drafts": int(not (drafter.stopped or loop.uncaptured)),
-                "the lookup draft's length": take})
-            d = None if d == NONE else d
-        return d
+                "the lookup draft's length": len(decision.lookup) if decision is not None else 0})
+            decision = None if code == NONE else (decision or PLAIN_STEP).decode(code)
+        if decision is not None and not decision.lookup:
+            held = None
+        return decision
 
-    def queue(d: int | None):
+    def queue(decision: Decision | None):
         """What produces the next block, queued now: ``("plain", step)``, ``("cycle", started cycle)`` or None;
         and the seconds queueing took (part of that block's cost, not of the block being read)."""
         start = time.perf_counter()
-        if d is None:
+        if decision is None:
             return None, 0.0
-        if d >= LOOKUP:
-            cycle = loop.launch_lookup(proposal[: d - LOOKUP], match)
+        if decision.lookup:
+            cycle = loop.launch_lookup(list(decision.lookup), decision.match)
         else:
-            cycle = None if d == PLAIN else loop.launch(d)
+            cycle = None if decision.drafts == 0 else loop.launch(decision.drafts)
         queued = ("plain", loop.plain_step()) if cycle is None else ("cycle", cycle)
         return queued, time.perf_counter() - start
 
@@ -692,10 +659,11 @@ def generate(
                 block_logprobs = item[1]
                 following, launch = queue(ask(1, behind=True))
                 block = loop.last.tolist()
-                policy.observe(PLAIN, 0, clock.lap() - launch + own_launch)
+                seconds = clock.lap() - launch + own_launch
+                policy.observe(PLAIN, 0, seconds)
+                costs.observe(1, seconds)
                 if lookup is not None:
                     lookup.index.extend(block)
-                    lookup.observe_other(PLAIN, 0)
                 continue
             cycle = item
             if cycle.walk is None:
@@ -726,12 +694,11 @@ def generate(
                 lookup.index.extend(committed)
             following, launch = queue(ask(accepted + 1 - emitted))
             seconds = clock.lap() - launch + own_launch
+            row.observe(cycle.depth, cycle.match, accepted)
             if cycle.match:
-                lookup.observe_lookup(cycle.match, cycle.depth, accepted)
-                continue
-            policy.observe(cycle.depth, accepted, seconds)
-            if lookup is not None:
-                lookup.observe_other(cycle.depth, accepted)
+                costs.observe(cycle.depth + 1, seconds)
+            else:
+                policy.observe(cycle.depth, accepted, seconds)
     except LockstepError:
         kind = "diverged"  # the ranks no longer match: their caches are left as they are, unsettled
         raise

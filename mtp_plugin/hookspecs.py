@@ -107,8 +107,9 @@ def mtp_load_model(model_dir):
 @hookspec(firstresult=True)
 def mtp_decode(model, prompt: list, max_tokens: int, depth):
     """Greedy token ids (an iterator of int) from the runtime's own generation loop, or None if no runtime handles
-    ``model``. ``depth``: None for stock decoding without MTP, 0 for automatic (adaptive) depth, 1..8 for a fixed
-    draft depth, or a depth policy object (``decoding.DepthPolicy``). Counters land on ``model.mtp_head.stats``."""
+    ``model``. ``depth``: None for stock decoding without MTP, 0 for the default decoding (adaptive depth, drafts from
+    the context too), 1..8 for the head alone at a fixed draft depth, or a depth policy object
+    (``decoding.DepthPolicy``). Counters land on ``model.mtp_head.stats``."""
 
 
 @hookspec(firstresult=True)

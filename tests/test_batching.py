@@ -19,14 +19,15 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import load_model
 from mtp_plugin.adapters import capture, mlx_lm_server
-from mtp_plugin.adapters.mlx_lm_decoding import CLI
 from mtp_plugin.adapters.mlx_lm_server import MTPRequest
 from mtp_plugin.adapters.patching import release
 from test_sampling import PROMPT, VOCAB, chi_square_p, exact_marginals
 
+from mtp_plugin import options as options_module
 from mtp_plugin import rollback
 from mtp_plugin.drafter import HISTORY_WINDOW
 from mtp_plugin.lookup import LookupSettings
+from mtp_plugin.options import MTPOptions
 
 # mlx-lm < 0.32 pollutes the GatedDeltaNet state of right-padded prompt rows (its ArraysCache mask ignores the
 # prompt lengths), so its own batched output differs from a request served alone; there the reference of a batch
@@ -189,7 +190,7 @@ def test_row_parked_past_the_window_keeps_only_its_last_pairs(trained, monkeypat
     monkeypatch.setattr(type(model.mtp_head.batching), "policy", lambda self, rows: Schedule([0]))
     model.mtp_head.batching.store.clear()
     prompt, n, results = tokenizer.encode(PROMPTS[1]), HISTORY_WINDOW + 8, {}
-    (uid,) = insert(generator, [prompt], [n])
+    (uid,) = insert(generator, [prompt], [n], [MTPRequest(lookup=False)])  # plain steps only while parked
     drain(generator, results, steps=HISTORY_WINDOW + 4)
     (row,) = generator._generation_batch.rows
     assert len(row.pending) == HISTORY_WINDOW and not row.head_whole
@@ -318,12 +319,33 @@ def test_rows_with_lookup_drafts_decode_as_stock_alone(trained):
     assert options[3].stats.lookup_cycles == 0
 
 
+def test_a_repeating_row_widens_the_pass_only_where_no_row_loses(trained):
+    """The scheduler in mlx-lm's batch (issue 34): a row whose context repeats, at head depth 1, with a verify pass
+    costing 1 + 0.3 (k - 1) plain steps. Beside three rows with MTP off it verifies at most one lookup draft a cycle
+    (the width its head pays for anyway: any wider pass would slow the plain rows); alone it takes long ones. Every
+    row is stock's."""
+    model, tokenizer = trained
+    repeating = LookupSettings(slope=0.3, first_prior=0.95)
+    prompts = [tokenizer.encode(p) for p in [EDIT, PROMPTS[1], PROMPTS[3], PROMPTS[5]]]
+    lengths = [24, 40, 40, 40]
+    beside = [MTPRequest(True, 1, repeating), MTPRequest(False), MTPRequest(False), MTPRequest(False)]
+    alone = [MTPRequest(True, 1, repeating)]
+    for options, count in ((beside, 4), (alone, 1)):
+        generator = mtp_generator(model)
+        uids = insert(generator, prompts[:count], lengths[:count], options)
+        results = {}
+        drain(generator, results)
+        assert [results[uid] for uid in uids] == stock_tokens(model, prompts[:count], lengths[:count])
+    assert 0 < beside[0].stats.lookup_cycles and beside[0].stats.lookup_drafted <= beside[0].stats.lookup_cycles
+    assert alone[0].stats.lookup_drafted > 4 * alone[0].stats.lookup_cycles
+
+
 def test_rows_without_a_head_decode_as_stock_with_lookup(trained, monkeypatch):
     """A model without a head on a server run with ``--mtp-lookup``: its rows verify lookup drafts or step plain, and
     every row is stock's (lookup off for one, MTP off for another)."""
     model, tokenizer = trained
     monkeypatch.setattr(model, "mtp_head", None)
-    monkeypatch.setitem(CLI, "lookup", True)
+    monkeypatch.setattr(options_module, "_command_line", MTPOptions(lookup=True))
     prompts = [tokenizer.encode(p) for p in [EDIT, PROMPTS[1], EDIT, "x"]]
     lengths = [40, 20, 30, 6]
     options = [MTPRequest(True, None, FORCED), MTPRequest(True, None, FORCED), MTPRequest(True, None, False),
@@ -345,7 +367,7 @@ def test_sampled_lookup_rows_keep_the_trunk_distribution(small, monkeypatch, hea
     marginals of the trunk's distribution (chi-square)."""
     if headless:
         monkeypatch.setattr(small, "mtp_head", None)
-        monkeypatch.setitem(CLI, "lookup", True)
+        monkeypatch.setattr(options_module, "_command_line", MTPOptions(lookup=True))
     temp, runs, rows = 1.0, 300, 4
     sampler = make_sampler(temp=temp)
     mx.random.seed(5)

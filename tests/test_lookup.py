@@ -13,6 +13,7 @@ from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_logits_processors
 
 from mtp_plugin.lookup import ContextIndex, LookupPolicy, LookupSettings, lookup_policy
+from mtp_plugin.options import MTPOptions, command_line, resolve, set_command_line
 
 MLX4 = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5" / "mlx-4bit"
 SOURCE = "def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n\n\n"
@@ -75,27 +76,22 @@ def test_index_without_a_match_proposes_nothing():
         ContextIndex(3, 2)
 
 
-def test_policy_takes_drafts_that_pay_and_stops_on_drafts_that_do_not():
-    policy = LookupPolicy(LookupSettings(slope=0.3))
-    assert policy.choose(16, 4) > 0  # the prior says try
-    for _ in range(20):
-        policy.observe_lookup(4, 8, 8)
-    assert policy.choose(16, 4) >= 8 and policy.choose(16, 4, ceiling=3) == 3
-    for _ in range(20):
-        policy.observe_lookup(2, 4, 0)
-    assert policy.choose(16, 2) == 0  # a 2-token match's drafts were all rejected: not worth a wider pass
-    for _ in range(50):
-        policy.observe_other(3, 3)  # the head gives 4 tokens per 1.9 plain steps
-    assert policy.choose(16, 4) > 0 and LookupPolicy(LookupSettings(slope=1.0)).choose(16, 4) == 0
+def test_index_proposal_at_a_long_context_is_the_repeat_of_what_followed():
+    index = ContextIndex(2, 4)
+    context = [int(t) for t in np.random.default_rng(0).integers(10, 500, 32768)] + [1, 2, 3, 4, 5]
+    index.extend(context + [1, 2, 3])
+    assert index.propose(16) == (([4, 5, 1, 2, 3] * 4)[:16], 3)  # the match 3 tokens back: a repeat of period 5
+    assert index.propose(4, behind=True)[0] == [5, 1, 2, 3]
 
 
 def test_bad_lookup_option_is_refused(bundled):
     model, prompt = bundled
     with pytest.raises(ValueError, match="mtp_lookup"):
         tokens(model, prompt, max_tokens=4, mtp_lookup="yes")
-    with pytest.raises(ValueError, match="max_len"):
-        LookupPolicy(LookupSettings(max_len=40))
-    assert lookup_policy(None, model, headless=True) is None and lookup_policy(False, model, False) is None
+    for bad in ({"max_len": 40}, {"half_life": 0}, {"first_prior": 1.5}, {"prior_weight": -1}, {"slope": -0.1}):
+        with pytest.raises(ValueError, match=f"LookupSettings: {next(iter(bad))}="):
+            LookupPolicy(LookupSettings(**bad))
+    assert lookup_policy(None, headless=True) is None and lookup_policy(False, False) is None
 
 
 @pytest.mark.parametrize("options", [{"mtp_lookup": FORCED}, {"mtp_lookup": FORCED, "mtp_depth": 2},
@@ -157,13 +153,14 @@ def test_headless_decodes_stock_unless_asked(headless):
 
 def test_cli_flags_set_the_default(bundled):
     from mlx_lm.generate import setup_arg_parser
-    from mtp_plugin.adapters.mlx_lm_decoding import CLI
 
     try:
-        assert setup_arg_parser().parse_args(["--mtp-lookup"]).lookup is True and CLI["lookup"] is True
-        assert setup_arg_parser().parse_args(["--no-mtp-lookup"]).lookup is False and CLI["lookup"] is False
+        assert setup_arg_parser().parse_args(["--mtp-lookup"]).lookup is True and command_line().lookup is True
+        assert setup_arg_parser().parse_args(["--no-mtp-lookup"]).lookup is False and command_line().lookup is False
+        assert resolve(lookup=True).lookup is True and resolve(depth=3).depth == 3 and resolve(depth=0).depth is None
         model, prompt = bundled
         tokens(model, prompt, max_tokens=24, mtp_depth=2)
         assert model.mtp_head.stats.lookup_cycles == 0
     finally:
-        CLI["lookup"] = None
+        set_command_line()
+    assert command_line() == MTPOptions()

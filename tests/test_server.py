@@ -136,9 +136,9 @@ def test_streamed_chat_matches_unstreamed_and_reports_counters(server):
 
 @pytest.mark.parametrize("options", [{"enable_mtp": "yes"}, {"enable_mtp": 1}, {"mtp_depth": -1},
                                      {"mtp_depth": 9}, {"mtp_depth": True}, {"mtp_depth": 2.5},
-                                     {"mtp_lookup": "on"}, {"mtp_lookup": 0}])
+                                     {"mtp_lookup": "on"}, {"mtp_lookup": 0}, {"prompt": ""}, {"prompt": []}])
 def test_bad_options_get_400(server, options):
-    status, answer = server.post("/v1/completions", completion(PROMPTS[0], **options))
+    status, answer = server.post("/v1/completions", {**completion(PROMPTS[0]), **options})
     assert status == 400 and next(iter(options)) in answer["error"]
     assert server.post("/v1/completions", completion(PROMPTS[0], max_tokens=2))[0] == 200
 

@@ -1,0 +1,47 @@
+"""A generation's MTP options, resolved by one rule: the request's value, else the command line's (``--mtp-depth``,
+``--no-mtp``, ``--[no-]mtp-lookup``, also a server's), else the plugin's default."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MTPOptions:
+    """What a generation asks of MTP.
+
+    Attributes:
+        enabled: decode with MTP (the head's drafts, or the context's where asked).
+        depth: a fixed draft depth 1..8, a depth policy (``decoding.DepthPolicy``), or None: automatic.
+        lookup: drafts from the context: None (on with a head, off without), True, False, or a
+            ``lookup.LookupSettings`` (on, with those constants).
+    """
+
+    enabled: bool = True
+    depth: object = None
+    lookup: object = None
+
+    def over(self, enabled=None, depth=None, lookup=None) -> MTPOptions:
+        """These options with a request's own values where it gives them (None, and depth 0, give none)."""
+        given = {"enabled": enabled, "lookup": lookup, "depth": None if type(depth) is int and depth == 0 else depth}
+        return dataclasses.replace(self, **{k: v for k, v in given.items() if v is not None})
+
+
+_command_line = MTPOptions()
+
+
+def command_line() -> MTPOptions:
+    """The command line's options (the plugin's defaults where it gave none)."""
+    return _command_line
+
+
+def set_command_line(**values) -> None:
+    """Record the command line's options (``MTPOptions`` fields; depth 0: automatic)."""
+    global _command_line
+    _command_line = MTPOptions().over(**values)
+
+
+def resolve(enabled=None, depth=None, lookup=None) -> MTPOptions:
+    """A generation's options: the request's values over the command line's."""
+    return _command_line.over(enabled, depth, lookup)

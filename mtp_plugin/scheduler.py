@@ -1,0 +1,250 @@
+"""The scheduler: what each row of a verify pass drafts this cycle, decided for the whole pass.
+
+A row drafts from the head (``Decision.head``), from its context (``Decision.from_lookup``) or not at all (a plain
+step). One stream is a pass of one row; a server batch decides all its rows together (``plan``). Costs are in
+plain steps of the pass's batch size (``CostModel``); acceptance is the chain model of Leviathan et al. 2023, §3.1
+(``Chain``). The rules and their reasons: docs/scheduling.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from .controller import chain_acceptance
+
+LOOKUP = 100  # a lookup decision's lockstep code is LOOKUP + L (a head depth is 0..8)
+SLACK = 0.05  # a widened pass may cost a row at most this share of its plain-step rate
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one row verifies in a cycle: ``drafts`` head drafts, or the context's ``lookup`` tokens (found by a
+    match of ``match`` tokens), or nothing (a plain step)."""
+
+    drafts: int = 0
+    lookup: tuple[int, ...] = ()
+    match: int = 0
+
+    @classmethod
+    def head(cls, depth: int) -> Decision:
+        return cls(depth)
+
+    @classmethod
+    def from_lookup(cls, tokens, match: int) -> Decision:
+        return cls(len(tokens), tuple(tokens), match)
+
+    @property
+    def width(self) -> int:
+        """Positions the row fills in the verify pass: its newest token and its drafts."""
+        return self.drafts + 1
+
+    @property
+    def depth(self) -> int:
+        """The head's draft steps for the row (0 for a lookup or plain step)."""
+        return 0 if self.lookup else self.drafts
+
+    def code(self) -> int:
+        """The decision as one integer, for ranks in lockstep: the head depth, or ``LOOKUP`` + L."""
+        return LOOKUP + self.drafts if self.lookup else self.drafts
+
+    def decode(self, code: int) -> Decision:
+        """The decision ``code`` stands for, given this rank's lookup proposal (equal contexts propose alike)."""
+        return Decision.from_lookup(self.lookup[: code - LOOKUP], self.match) if code >= LOOKUP else Decision(code)
+
+
+PLAIN_STEP = Decision()
+
+
+class Chain:
+    """Decayed acceptance of drafts by position: p_k = P(draft k accepted | drafts 1..k-1 accepted), each shrunk
+    towards p_(k-1) by ``weight`` pseudo-cycles (p_1 towards ``first``); counts halve every ``half_life`` tokens the
+    observed cycles emit.
+
+    Raises:
+        ValueError: ``length`` < 1, ``half_life`` ≤ 0, ``first`` outside (0, 1) or a negative ``weight``.
+    """
+
+    def __init__(self, length: int, first: float = 0.5, weight: float = 2.0, half_life: float = 256.0):
+        if length < 1 or half_life <= 0 or not 0 < first < 1 or weight < 0:
+            raise ValueError(f"a chain needs length >= 1, half_life > 0, 0 < first < 1 and weight >= 0; got "
+                             f"{length}, {half_life}, {first}, {weight}")
+        self.first, self.weight, self.half_life = first, weight, half_life
+        self.reached = [0.0] * (length + 1)  # index k: cycles that verified draft k
+        self.accepted = [0.0] * (length + 1)  # index k: cycles that accepted draft k
+
+    def observe(self, drafts: int, accepted: int) -> None:
+        """A cycle verified ``drafts`` drafts and accepted the first ``accepted``."""
+        fade = 0.5 ** ((accepted + 1) / self.half_life)
+        self.reached[:] = [c * fade for c in self.reached]
+        self.accepted[:] = [c * fade for c in self.accepted]
+        for k in range(1, min(accepted + 1, drafts, len(self.reached) - 1) + 1):
+            self.reached[k] += 1
+        for k in range(1, min(accepted, len(self.reached) - 1) + 1):
+            self.accepted[k] += 1
+
+    def expected(self, drafts: int) -> list[float]:
+        """[E(0), …, E(drafts)], E(j) = 1 + p1 + p1·p2 + … + p1⋯pj: tokens a cycle of j drafts emits."""
+        out, run = [1.0], 1.0
+        for p in chain_acceptance(self.accepted, self.reached, self.weight, self.first)[:drafts]:
+            run *= p
+            out.append(out[-1] + run)
+        return out
+
+
+class CostModel:
+    """c(k): the cost of a verify pass k positions wide, in plain steps of one batch-size class (c(1) = 1).
+
+    Measured: the median seconds of a width's last ``window`` passes over the median of plain steps'; a width not
+    measured lies on the least-squares line through the measured ones (slope ≥ 0). The prior, used alone where a
+    decision may not depend on clocks or before two widths are measured: 1 + ``slope``·(k − 1) (``static_slope``).
+    """
+
+    def __init__(self, slope: float, window: int = 32):
+        self.slope = slope
+        self.seconds: dict[int, deque] = {}
+        self.window = window
+
+    def observe(self, width: int, seconds: float) -> None:
+        """A pass ``width`` positions wide took ``seconds`` (draft steps excluded)."""
+        self.seconds.setdefault(width, deque(maxlen=self.window)).append(max(seconds, 1e-9))
+
+    def __call__(self, width: int, measured: bool = True) -> float:
+        prior = 1 + self.slope * (width - 1)
+        if not measured or 1 not in self.seconds or len(self.seconds) < 2:
+            return prior
+        plain = statistics.median(self.seconds[1])
+        points = {k: statistics.median(v) / plain for k, v in self.seconds.items()}
+        if width in points:
+            return max(points[width], 1.0) if width > 1 else 1.0
+        mean_k = sum(points) / len(points)
+        mean_c = sum(points.values()) / len(points)
+        spread = sum((k - mean_k) ** 2 for k in points)
+        slope = max(sum((k - mean_k) * (c - mean_c) for k, c in points.items()) / spread, 0.0)
+        return max(mean_c + slope * (width - mean_k), 1.0)
+
+
+def static_slope(model) -> float:
+    """The prior cost of each position a verify pass adds, in plain steps, for ``model`` on MLX's default device: 0.1
+    on a GPU or Apple silicon; on a CPU, whose passes are compute-bound, 0.3 for 16-bit weights and 1.0 for float32
+    and quantized weights (docs/scheduling.md has the measurements)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    if mx.default_device().type != mx.cpu:
+        return 0.1
+    weights = [v for _, v in tree_flatten(model.parameters())]
+    half = sum(w.size for w in weights if w.dtype in (mx.bfloat16, mx.float16))
+    return 0.3 if 2 * half > sum(w.size for w in weights) else 1.0
+
+
+class CostTable:
+    """A model's cost models, one per batch-size class (1, 2-3, 4-7, …: ``rows.bit_length()``)."""
+
+    def __init__(self, slope: float):
+        self.slope, self.classes = slope, {}
+
+    def of(self, rows: int) -> CostModel:
+        size = rows.bit_length()
+        if size not in self.classes:
+            self.classes[size] = CostModel(self.slope)
+        return self.classes[size]
+
+
+def costs_of(model) -> CostTable:
+    """``model``'s cost table, made on first use and kept on the model (``mtp_costs``)."""
+    table = getattr(model, "mtp_costs", None)
+    if table is None:
+        table = CostTable(static_slope(model))
+        model.mtp_costs = table
+    return table
+
+
+@dataclass
+class Ask:
+    """One row's question for a cycle.
+
+    Attributes:
+        depth: the head's draft depth for the row (its depth policy's or its request's; 0: none).
+        head: [E(0), …, E(depth)] of the head's drafts (``Chain.expected``).
+        proposal: the row's lookup proposal, cut to what it may still emit (empty: none).
+        match: the length of the match that proposed it.
+        lookup: [E(0), …, E(len(proposal))] of the proposal.
+    """
+
+    depth: int = 0
+    head: list[float] | None = None
+    proposal: tuple[int, ...] = ()
+    match: int = 0
+    lookup: list[float] | None = None
+
+    def best(self, width: int) -> tuple[float, Decision]:
+        """The row's expected tokens and decision in a pass ``width`` wide (never narrower than its head's)."""
+        out = (self.head[self.depth], Decision.head(self.depth)) if self.depth else (1.0, PLAIN_STEP)
+        take = min(len(self.proposal), width - 1)
+        if take and self.lookup[take] > out[0]:
+            out = (self.lookup[take], Decision.from_lookup(self.proposal[:take], self.match))
+        return out
+
+
+def plan(asks: list[Ask], cost, slack: float = SLACK) -> list[Decision]:
+    """Every row's decision for one verify pass.
+
+    The pass is at least as wide as the widest head depth asks (W0). A wider pass, W, serves lookup drafts; it is
+    taken when it gives the batch more expected tokens per unit of its cost, Σ E_i(W) / c(W), than any narrower one,
+    and no row's rate falls below its floor: (1 − ``slack``) × min(1, E_i(W0) / c(W0)), a plain step being 1 token
+    per unit. Within W each row takes its lookup draft when that is expected to give more than its head's.
+
+    Args:
+        asks: one per row (B ≥ 1).
+        cost: ``cost(width) -> float``, c(1) = 1 (``CostModel``).
+        slack: the share of its floor a row may lose to noise in the cost estimates.
+    """
+    base = max(a.depth for a in asks) + 1
+    widest = max([base] + [len(a.proposal) + 1 for a in asks])
+    floors = [(1 - slack) * min(1.0, a.best(base)[0] / cost(base)) for a in asks]
+    best, score = None, -1.0
+    for width in range(base, widest + 1):
+        picks = [a.best(width) for a in asks]
+        c = cost(width)
+        if width > base and any(e / c < f for (e, _), f in zip(picks, floors, strict=True)):
+            continue
+        total = sum(e for e, _ in picks) / c
+        if total > score:
+            best, score = picks, total
+    return [d for _, d in best]
+
+
+def pricing(model: CostModel, measured: bool, lookups) -> callable:
+    """The ``cost`` function ``plan`` takes: ``model``'s (its prior alone unless ``measured``), or, where a row's
+    ``LookupSettings`` fix a slope, the static line of the least such slope."""
+    fixed = [p.settings.slope for p in lookups if p is not None and p.settings.slope is not None]
+    if fixed:
+        line = CostModel(min(fixed))
+        return lambda width: line(width, False)
+    return lambda width: model(width, measured)
+
+
+class RowState:
+    """What the scheduler keeps of one row (a stream, or a request in a batch) between cycles: the acceptance of its
+    head drafts (``Chain``) and its lookup drafts (``lookup.LookupPolicy``, or None)."""
+
+    def __init__(self, lookup=None, max_depth: int = 8):
+        self.lookup, self.head = lookup, Chain(max_depth)
+
+    def ask(self, depth: int, room: int | None, behind: bool = False) -> Ask:
+        """The row's question: the head at ``depth`` (0: none), and its lookup draft of at most ``room`` tokens
+        (None: no limit; ``behind`` as for ``lookup.ContextIndex.propose``)."""
+        ask = Ask(depth, self.head.expected(depth))
+        if self.lookup is not None and (room is None or room > 0):
+            ask.proposal, ask.match, ask.lookup = self.lookup.propose(room, behind)
+        return ask
+
+    def observe(self, drafts: int, match: int, accepted: int) -> None:
+        """A cycle verified ``drafts`` drafts, from the context when ``match`` (its match length) is not 0, else from
+        the head, and accepted ``accepted`` of them."""
+        if match:
+            self.lookup.observe(match, drafts, accepted)
+        elif drafts:
+            self.head.observe(drafts, accepted)

@@ -1,0 +1,98 @@
+"""The scheduler's decisions: one row as a stream, a batch sharing one verify pass, the cost model and the chain
+model (pure logic; the loops that call it are tested end to end in test_lookup, test_batching and test_server)."""
+
+import pytest
+
+from mtp_plugin.lookup import LookupPolicy, LookupSettings
+from mtp_plugin.scheduler import PLAIN_STEP, Ask, Chain, CostModel, Decision, RowState, plan, pricing
+
+CPU_BF16 = CostModel(0.43)  # a pass of k positions costs 1 + 0.43(k-1) plain steps (bf16 on a compute-bound CPU)
+GPU = CostModel(0.02)  # a pass of a few positions costs little more than one
+
+
+def prior(model):
+    return lambda width: model(width, measured=False)
+
+
+def repeating(length: int = 16, p: float = 0.97) -> Ask:
+    """A row whose context repeats: a long lookup draft, nearly all of it expected to be accepted."""
+    expected = [1.0]
+    for k in range(1, length + 1):
+        expected.append(expected[-1] + p**k)
+    return Ask(proposal=tuple(range(length)), match=4, lookup=expected)
+
+
+def test_one_row_takes_a_lookup_draft_that_pays_and_keeps_the_head_otherwise():
+    assert plan([repeating()], prior(CPU_BF16))[0].drafts == 8  # E/c is highest there: 8.0 tokens for 4.4 steps
+    weak = Ask(proposal=(1, 2, 3), match=2, lookup=[1.0, 1.2, 1.25, 1.26])
+    assert plan([weak], prior(CPU_BF16)) == [PLAIN_STEP]  # 1.2 tokens for 1.43 plain steps: plain
+    head = Ask(depth=2, head=[1.0, 1.8, 2.4], proposal=(5, 6, 7), match=2, lookup=[1.0, 1.5, 1.7, 1.8])
+    assert plan([head], prior(CPU_BF16)) == [Decision.head(2)]  # the head's 2.4 beats the context's 1.7 at width 3
+
+
+def test_a_batch_never_widens_its_pass_at_the_cost_of_a_plain_row():
+    # The issue's workload: one request repeats, three others decode plain. On a CPU every row pays for the widest.
+    asks = [repeating(), Ask(), Ask(), Ask()]
+    assert plan(asks, prior(CPU_BF16)) == [PLAIN_STEP] * 4
+    # Where a wide pass costs little more than a narrow one, the same rule takes the drafts.
+    decisions = plan(asks, prior(GPU))
+    assert decisions[0].drafts == 2 and decisions[1:] == [PLAIN_STEP] * 3  # 1/1.04 keeps the plain rows above 0.95
+    # Rows that all gain share a wide pass.
+    decisions = plan([repeating(), repeating(6)], prior(CPU_BF16))
+    assert [d.drafts for d in decisions] == [6, 6]
+
+
+def test_a_lookup_draft_fills_the_width_the_heads_already_pay_for():
+    asks = [Ask(depth=3, head=[1.0, 1.5, 1.7, 1.8]), repeating()]
+    assert plan(asks, prior(CPU_BF16)) == [Decision.head(3), Decision.from_lookup(tuple(range(3)), 4)]
+
+
+def test_every_row_keeps_its_floor_when_the_pass_widens():
+    # Row 0 drafts from the head at depth 1: its floor is 0.95 × min(1, 1.9 / c(2)). A pass of 9 would give it
+    # 1.9 / 4.44 and is refused though the lookup row alone would prefer it; a pass of 2 gives the batch
+    # (1.9 + 1.97) / 1.43, more than a pass of 3's (1.9 + 2.91) / 1.86.
+    asks = [Ask(depth=1, head=[1.0, 1.9]), repeating()]
+    assert plan(asks, prior(CPU_BF16)) == [Decision.head(1), Decision.from_lookup((0,), 4)]
+    assert plan([Ask(depth=1, head=[1.0, 1.9]), repeating()], prior(CostModel(0.0)))[1].drafts == 16
+
+
+def test_cost_model_measures_widths_and_falls_back_to_its_prior():
+    model = CostModel(0.3)
+    assert model(5) == pytest.approx(2.2)
+    model.observe(1, 0.010)
+    assert model(5) == pytest.approx(2.2)  # one width measured: still the prior
+    for seconds in (0.019, 0.020, 0.021):
+        model.observe(3, seconds)
+    assert model(3) == pytest.approx(2.0) and model(3, measured=False) == pytest.approx(1.6)
+    assert model(5) == pytest.approx(3.0)  # on the line through c(1) = 1 and c(3) = 2
+    assert model(1) == 1.0
+
+
+def test_pricing_follows_a_fixed_slope_in_the_settings():
+    forced = LookupPolicy(LookupSettings(slope=0.0))
+    price = pricing(CostModel(1.0), True, [None, forced])
+    assert price(17) == 1.0
+    assert pricing(CostModel(1.0), True, [None])(3) == 3.0
+
+
+def test_chain_and_row_state_learn_from_what_cycles_gave():
+    chain = Chain(4)
+    assert chain.expected(2) == pytest.approx([1.0, 1.5, 1.75])
+    for _ in range(50):
+        chain.observe(4, 4)
+    assert chain.expected(4)[-1] > 4.5
+    state = RowState(LookupPolicy())
+    state.lookup.index.extend([1, 2, 3, 9, 1, 2])
+    ask = state.ask(0, room=2)
+    assert ask.proposal == (3, 9) and ask.match == 2 and len(ask.lookup) == 3
+    for _ in range(30):
+        state.observe(2, 2, 0)  # the lookup drafts of 2-token matches were all rejected
+    assert plan([state.ask(0, room=2)], prior(CPU_BF16)) == [PLAIN_STEP]
+    assert state.ask(0, room=0).proposal == ()
+
+
+def test_a_decision_travels_between_ranks_as_one_integer():
+    lookup = Decision.from_lookup((7, 8, 9), 3)
+    assert lookup.decode(lookup.code()) == lookup and lookup.decode(2) == Decision.head(2)
+    assert lookup.decode(101) == Decision.from_lookup((7,), 3) and PLAIN_STEP.decode(0) == PLAIN_STEP
+    assert lookup.width == 4 and lookup.depth == 0 and Decision.head(2).depth == 2
