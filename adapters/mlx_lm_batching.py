@@ -421,16 +421,17 @@ class MTPGenerationBatch:
         """Row ``idx``'s trunk caches, unbatched (they hold ``tokens[idx]``)."""
         return [c.extract(idx) for c in self.prompt_cache]
 
-    def _depths(self, ctx: BatchContext, policy: DepthController) -> list[int]:
+    def _depths(self, ctx: BatchContext, policy: DepthController, proposed: int) -> list[int]:
         """Each row's head depth this cycle: its own, or the policy's (asked once) for rows that follow it; 0 for
         every row once the head is parked. Ranks in lockstep take rank 0's policy's depth, after checking that
-        they hold the same rows at the same point (``lockstep.Lockstep.agree``)."""
+        they hold the same rows at the same point, with lookup proposals of ``proposed`` tokens in all
+        (``lockstep.Lockstep.agree``)."""
         parked = ctx.health.parked
         auto = policy.next_depth() if not parked and any(r.depth is None for r in self.rows) else None
         if ctx.lockstep is not None:
             auto = ctx.lockstep.agree(NONE if auto is None else auto, {
                 "rows in the batch": len(self.rows), "tokens emitted": sum(self.num_tokens),
-                "whether the head is parked": int(bool(parked))})
+                "whether the head is parked": int(bool(parked)), "the rows' lookup proposals": proposed})
             auto = None if auto == NONE else auto
         if parked:
             return [0] * len(self.rows)
@@ -443,14 +444,21 @@ class MTPGenerationBatch:
         remaining tokens; a queued plain step holds each row's next token, not read yet (``behind``). Ranks in
         lockstep plan from the static cost prior and check that their lookup drafts agree."""
         behind = self.ahead is not None
-        depths, self.asked = self.asked or self._depths(ctx, policy), None
-        asks = [row.schedule.ask(depths[i], self.max_tokens[i] - self.num_tokens[i] - 1 - behind, behind)
+        asks = [row.schedule.ask(0, self.max_tokens[i] - self.num_tokens[i] - 1 - behind, behind)
                 for i, row in enumerate(self.rows)]
+        proposed = sum(len(a.proposal) for a in asks)
+        depths, self.asked = self.asked, None
+        if depths is None:
+            depths = self._depths(ctx, policy, proposed)
+        elif ctx.lockstep is not None:  # the depths were agreed before; the proposals are new
+            ctx.lockstep.agree(0, {"rows in the batch": len(self.rows), "tokens emitted": sum(self.num_tokens),
+                                   "the rows' lookup proposals": proposed})
+        if ctx.health.parked:
+            depths = [0] * len(self.rows)
+        for row, a, depth in zip(self.rows, asks, depths, strict=True):
+            a.depth, a.head = depth, row.schedule.head.expected(depth)
         price = pricing(ctx.costs.of(len(self.rows)), ctx.lockstep is None, [r.schedule.lookup for r in self.rows])
-        decisions = plan(asks, price)
-        if ctx.lockstep is not None:
-            ctx.lockstep.agree(0, {"the rows' lookup drafts": sum(len(d.lookup) for d in decisions)})
-        return depths, decisions
+        return depths, plan(asks, price)
 
     def _end(self, i: int, token: int) -> str | None:
         """Why row i finishes on ``token``, its next emitted token (None: it goes on), by mlx-lm's rules:
@@ -479,7 +487,8 @@ class MTPGenerationBatch:
             if self.ahead is not None:  # leave pipelined plain steps: emit the queued tokens, draft next call
                 self.asked = depths
                 return self._settle(ctx)
-            if not any(row.depth is None and not d.lookup for row, d in zip(self.rows, decisions, strict=True)):
+            auto = [d for row, d in zip(self.rows, decisions, strict=True) if row.depth is None]
+            if auto and all(d.lookup for d in auto):
                 self.asked = depths  # the policy's depth did not run: it stands for the next cycle
             return self._cycle(ctx, policy, decisions, start)
         except LockstepError:  # the ranks have drifted apart: stock decoding of their rows would not match either
@@ -591,6 +600,7 @@ class MTPGenerationBatch:
             row.keep(step.hidden[i : i + 1], step.tokens[i : i + 1])
             row.last = tokens[i]
             row.stats.plain += 1
+            row.schedule.observe(0, 0, 0)
             if row.schedule.lookup is not None:
                 row.schedule.lookup.index.extend([tokens[i]])
         return tokens

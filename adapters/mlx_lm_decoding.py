@@ -27,7 +27,7 @@ import weakref
 from mtp_plugin.decoding import MAX_DEPTH, Sampling
 from mtp_plugin.lockstep import Lockstep, group_of
 from mtp_plugin.lookup import MAX_LOOKUP, lookup_policy
-from mtp_plugin.options import command_line, resolve, set_command_line
+from mtp_plugin.options import MTPOptions, command_line, resolve, set_command_line
 from mtp_plugin.plugins import hook
 from mtp_plugin.scheduler import costs_of
 from mtp_plugin.stats import MTPStats
@@ -118,7 +118,7 @@ def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured
     elif sampling is not None and automatic and not depth:
         # Sampling: the same seed must give the same tokens, as in stock mlx-lm, so the depth must not depend
         # on timing (the adaptive controller): decisions from counts only; tuned plain: stock decoding.
-        policy = sampled_policy(loaded, model)
+        policy = sampled_policy(loaded)
         if policy is None:
             return None
     else:
@@ -283,7 +283,8 @@ class _SetCLI(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         value = self.const if self.nargs == 0 else values
         setattr(namespace, self.dest, value)
-        set_command_line(**{**dataclasses.asdict(command_line()), self.dest: value})
+        values = {f.name: getattr(command_line(), f.name) for f in dataclasses.fields(MTPOptions)}
+        set_command_line(**{**values, self.dest: value})
 
 
 def add_mtp_arguments(parser: argparse.ArgumentParser) -> None:

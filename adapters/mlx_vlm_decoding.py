@@ -168,7 +168,7 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, position
     if sampled is not None and (depth is None or (type(depth) is int and depth == 0)):
         # A seed must fix the tokens, as in stock mlx-vlm: the depth of a sampled generation may not depend on
         # timing (the adaptive controller); decisions from counts only (tuned plain: stock decoding).
-        policy = sampled_policy(loaded, model.language_model)
+        policy = sampled_policy(loaded)
         if policy is None:
             return None
 

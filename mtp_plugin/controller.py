@@ -281,10 +281,11 @@ class SampledDepth:
     clocks, so that a seed fixes the tokens as in stock decoding (the draws a cycle makes depend on its depth).
 
     Every cycle drafts ``depth`` tokens until ``probe`` cycles have run; then, if their mean tokens per cycle
-    (1 + accepted drafts) is below the cost of a cycle in plain steps by the scheduler's static prior,
-    ``1 + slope × depth`` (``scheduler.CostModel``), the rest of the generation decodes plain: its drafts do not pay
-    (a random-initialised head accepts 6-15 % of its drafts when sampling, enough to pass the head's 2 % health
-    check).
+    (1 + accepted drafts) is below the cost of a cycle in plain steps by a static model of the backend,
+    ``1 + slope × depth`` (``tuning.sampled_policy``: a verify pass of d+1 tokens costs about 1 + 0.1 d plain steps
+    on a GPU or Apple silicon, and its share of a compute-bound CPU pass grows with every token), the rest of the
+    generation decodes plain: its drafts do not pay (a random-initialised head accepts 6-15 % of its drafts when
+    sampling, enough to pass the head's 2 % health check).
 
     Args:
         depth: the draft depth, 1..8 (the tuned one, else the default).

@@ -27,7 +27,7 @@ from .drafter import log_softmax as _log_softmax
 from .health import HeadHealth
 from .lockstep import NONE, Lockstep, LockstepError
 from .lookup import LookupPolicy
-from .scheduler import PLAIN_STEP, CostModel, Decision, RowState, plan, pricing
+from .scheduler import CostModel, Decision, RowState, plan, pricing
 from .stats import MTPStats
 
 DEFAULT_DEPTH = 2
@@ -586,15 +586,16 @@ def generate(
     def ask(block: int, behind: bool = False) -> Decision | None:
         """What follows a block of at least ``block`` tokens (the committed cache's step run first): the scheduler's
         decision (``scheduler.plan``, one row), or None if that block ends generation; ``behind``: the block's token
-        is not read yet (``lookup.ContextIndex.propose``). Ranks in lockstep take rank 0's decision."""
+        is not read yet (``lookup.ContextIndex.propose``). Ranks in lockstep take rank 0's head depth, then plan alike
+        (from the static cost prior, on equal contexts)."""
         nonlocal held
         span = loop.after_pass()
         room = max_tokens - n - block - 1 if max_tokens >= 0 else None  # drafts that could still be emitted
         if span is not None:
             room = span - 1 if room is None else min(room, span - 1)
-        if max_tokens >= 0 and n + block >= max_tokens:
-            decision = None
-        else:
+        room = 0 if loop.uncaptured else room
+        depth = None  # None: the block ends generation
+        if max_tokens < 0 or n + block < max_tokens:
             depth = PLAIN
             if not (drafter.stopped or loop.uncaptured):
                 if held is None:  # the policy is asked once for each depth that runs
@@ -602,16 +603,20 @@ def generate(
                     if not 0 <= held <= MAX_DEPTH:
                         raise ValueError(f"depth policy chose depth {held}; it must be 0..{MAX_DEPTH}")
                 depth = held if span is None else min(held, span - 1)
-            question = row.ask(depth, 0 if loop.uncaptured else room, behind)
-            decision = plan([question], price)[0]
-        if lockstep is not None:  # equal contexts, tokens left and options give equal decisions
-            code = lockstep.agree(NONE if decision is None else decision.code(), {
-                "tokens emitted": n + block, "whether the generation ends": int(decision is None),
+        question = row.ask(depth or 0, room, behind)
+        if lockstep is not None:  # equal contexts, tokens left and options give equal proposals
+            agreed = lockstep.agree(NONE if depth is None else depth, {
+                "tokens emitted": n + block, "whether the generation ends": int(depth is None),
                 "the tokens left to generate": max_tokens - n - block if max_tokens >= 0 else -1,
                 "whether the head drafts": int(not (drafter.stopped or loop.uncaptured)),
-                "the lookup draft's length": len(decision.lookup) if decision is not None else 0})
-            decision = None if code == NONE else (decision or PLAIN_STEP).decode(code)
-        if decision is not None and not decision.lookup:
+                "the lookup proposal's length": len(question.proposal)})
+            if agreed != (NONE if depth is None else depth):
+                depth = None if agreed == NONE else agreed
+                question = row.ask(depth or 0, room, behind)
+        if depth is None:
+            return None
+        decision = plan([question], price)[0]
+        if not decision.lookup:
             held = None
         return decision
 
@@ -662,6 +667,7 @@ def generate(
                 seconds = clock.lap() - launch + own_launch
                 policy.observe(PLAIN, 0, seconds)
                 costs.observe(1, seconds)
+                row.observe(0, 0, 0)
                 if lookup is not None:
                     lookup.index.extend(block)
                 continue

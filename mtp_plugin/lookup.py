@@ -123,6 +123,11 @@ class LookupPolicy:
         """A lookup cycle ran: ``length`` drafts from a match of length ``n``, ``accepted`` of them accepted."""
         self.chains[n].observe(length, accepted)
 
+    def fade(self, tokens: int) -> None:
+        """``tokens`` more tokens were committed (``scheduler.Chain.fade``)."""
+        for chain in self.chains.values():
+            chain.fade(tokens)
+
 
 def lookup_policy(option, headless: bool) -> LookupPolicy | None:
     """The loop's ``lookup`` for a generation's ``mtp_lookup`` option.

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from .controller import chain_acceptance
 
-LOOKUP = 100  # a lookup decision's lockstep code is LOOKUP + L (a head depth is 0..8)
 SLACK = 0.05  # a widened pass may cost a row at most this share of its plain-step rate
 
 
@@ -45,22 +44,14 @@ class Decision:
         """The head's draft steps for the row (0 for a lookup or plain step)."""
         return 0 if self.lookup else self.drafts
 
-    def code(self) -> int:
-        """The decision as one integer, for ranks in lockstep: the head depth, or ``LOOKUP`` + L."""
-        return LOOKUP + self.drafts if self.lookup else self.drafts
-
-    def decode(self, code: int) -> Decision:
-        """The decision ``code`` stands for, given this rank's lookup proposal (equal contexts propose alike)."""
-        return Decision.from_lookup(self.lookup[: code - LOOKUP], self.match) if code >= LOOKUP else Decision(code)
-
 
 PLAIN_STEP = Decision()
 
 
 class Chain:
     """Decayed acceptance of drafts by position: p_k = P(draft k accepted | drafts 1..k-1 accepted), each shrunk
-    towards p_(k-1) by ``weight`` pseudo-cycles (p_1 towards ``first``); counts halve every ``half_life`` tokens the
-    observed cycles emit.
+    towards p_(k-1) by ``weight`` pseudo-cycles (p_1 towards ``first``); counts halve every ``half_life`` tokens
+    (``fade``).
 
     Raises:
         ValueError: ``length`` < 1, ``half_life`` ≤ 0, ``first`` outside (0, 1) or a negative ``weight``.
@@ -74,11 +65,14 @@ class Chain:
         self.reached = [0.0] * (length + 1)  # index k: cycles that verified draft k
         self.accepted = [0.0] * (length + 1)  # index k: cycles that accepted draft k
 
-    def observe(self, drafts: int, accepted: int) -> None:
-        """A cycle verified ``drafts`` drafts and accepted the first ``accepted``."""
-        fade = 0.5 ** ((accepted + 1) / self.half_life)
+    def fade(self, tokens: int) -> None:
+        """``tokens`` more tokens were committed (by any cycle or plain step)."""
+        fade = 0.5 ** (tokens / self.half_life)
         self.reached[:] = [c * fade for c in self.reached]
         self.accepted[:] = [c * fade for c in self.accepted]
+
+    def observe(self, drafts: int, accepted: int) -> None:
+        """A cycle verified ``drafts`` drafts and accepted the first ``accepted``."""
         for k in range(1, min(accepted + 1, drafts, len(self.reached) - 1) + 1):
             self.reached[k] += 1
         for k in range(1, min(accepted, len(self.reached) - 1) + 1):
@@ -105,19 +99,24 @@ class CostModel:
         self.slope = slope
         self.seconds: dict[int, deque] = {}
         self.window = window
+        self._points: dict[int, float] | None = None  # c(k) of the measured widths, until the next observation
 
     def observe(self, width: int, seconds: float) -> None:
         """A pass ``width`` positions wide took ``seconds`` (draft steps excluded)."""
         self.seconds.setdefault(width, deque(maxlen=self.window)).append(max(seconds, 1e-9))
+        self._points = None
 
     def __call__(self, width: int, measured: bool = True) -> float:
         prior = 1 + self.slope * (width - 1)
         if not measured or 1 not in self.seconds or len(self.seconds) < 2:
             return prior
-        plain = statistics.median(self.seconds[1])
-        points = {k: statistics.median(v) / plain for k, v in self.seconds.items()}
+        if self._points is None:
+            plain = statistics.median(self.seconds[1])
+            self._points = {k: max(statistics.median(v) / plain, 1.0) if k > 1 else 1.0
+                            for k, v in self.seconds.items()}
+        points = self._points
         if width in points:
-            return max(points[width], 1.0) if width > 1 else 1.0
+            return points[width]
         mean_k = sum(points) / len(points)
         mean_c = sum(points.values()) / len(points)
         spread = sum((k - mean_k) ** 2 for k in points)
@@ -203,11 +202,12 @@ def plan(asks: list[Ask], cost, slack: float = SLACK) -> list[Decision]:
     """
     base = max(a.depth for a in asks) + 1
     widest = max([base] + [len(a.proposal) + 1 for a in asks])
-    floors = [(1 - slack) * min(1.0, a.best(base)[0] / cost(base)) for a in asks]
+    costs = {width: cost(width) for width in range(base, widest + 1)}
+    floors = [(1 - slack) * min(1.0, a.best(base)[0] / costs[base]) for a in asks]
     best, score = None, -1.0
     for width in range(base, widest + 1):
         picks = [a.best(width) for a in asks]
-        c = cost(width)
+        c = costs[width]
         if width > base and any(e / c < f for (e, _), f in zip(picks, floors, strict=True)):
             continue
         total = sum(e for e, _ in picks) / c
@@ -243,7 +243,11 @@ class RowState:
 
     def observe(self, drafts: int, match: int, accepted: int) -> None:
         """A cycle verified ``drafts`` drafts, from the context when ``match`` (its match length) is not 0, else from
-        the head, and accepted ``accepted`` of them."""
+        the head (0 drafts: a plain step), and accepted ``accepted`` of them; every estimate fades by the tokens it
+        committed."""
+        self.head.fade(accepted + 1)
+        if self.lookup is not None:
+            self.lookup.fade(accepted + 1)
         if match:
             self.lookup.observe(match, drafts, accepted)
         elif drafts:

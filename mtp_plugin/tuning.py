@@ -157,17 +157,24 @@ def start_depth(model_dir: Path, default: int, max_depth: int) -> int:
     return depth if depth is not None and 0 <= depth <= max_depth else default
 
 
-def sampled_policy(loaded, model):
-    """The depth policy of a sampled generation with the automatic depth on ``loaded`` (a ``loader.LoadedHead``) of
-    the runtime's ``model``: ``controller.SampledDepth`` at the tuned depth (else the default), which decides from
-    counts only so that a seed fixes the tokens, with the scheduler's static cost prior for the model
-    (``scheduler.static_slope``); None when tuning found plain decoding fastest (the generation decodes stock)."""
+SAMPLED_SLOPES = {"gpu": 0.1, "cpu": 0.5}  # cycle cost per draft token in plain steps (``SampledDepth``)
+
+
+def sampled_policy(loaded):
+    """The depth policy of a sampled generation with the automatic depth on ``loaded`` (a ``loader.LoadedHead``):
+    ``controller.SampledDepth`` at the tuned depth (else the default), which decides from counts only so that a
+    seed fixes the tokens, with the static cost slope of MLX's default device (``SAMPLED_SLOPES``: on this CPU a
+    verify pass of k tokens cost 1 + 0.27-0.43 (k-1) plain steps in bf16 and about k in float32 and 4-bit, a draft
+    step 0.03-0.3; on a GPU a pass of a few tokens costs little more than one); None when tuning found plain
+    decoding fastest (the generation decodes stock)."""
+    import mlx.core as mx
+
     from .controller import SampledDepth
     from .decoding import DEFAULT_DEPTH, MAX_DEPTH
-    from .scheduler import costs_of
 
     depth = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
-    return SampledDepth(depth, costs_of(model).slope) if depth else None
+    kind = "cpu" if mx.default_device().type == mx.cpu else "gpu"
+    return SampledDepth(depth, SAMPLED_SLOPES[kind]) if depth else None
 
 
 def depth_policy(depth, loaded):

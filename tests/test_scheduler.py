@@ -91,8 +91,16 @@ def test_chain_and_row_state_learn_from_what_cycles_gave():
     assert state.ask(0, room=0).proposal == ()
 
 
-def test_a_decision_travels_between_ranks_as_one_integer():
+def test_a_decision_says_what_the_head_runs_and_how_wide_the_row_is():
     lookup = Decision.from_lookup((7, 8, 9), 3)
-    assert lookup.decode(lookup.code()) == lookup and lookup.decode(2) == Decision.head(2)
-    assert lookup.decode(101) == Decision.from_lookup((7,), 3) and PLAIN_STEP.decode(0) == PLAIN_STEP
-    assert lookup.width == 4 and lookup.depth == 0 and Decision.head(2).depth == 2
+    assert lookup.width == 4 and lookup.depth == 0 and Decision.head(2).depth == 2 and PLAIN_STEP.width == 1
+
+
+def test_estimates_fade_with_every_committed_token():
+    state = RowState(LookupPolicy(LookupSettings(half_life=4.0)))
+    for _ in range(10):
+        state.observe(2, 2, 0)  # lookup drafts of 2-token matches rejected
+    rejected = state.lookup.chains[2].expected(2)[-1]
+    for _ in range(40):
+        state.observe(0, 0, 0)  # plain steps: the rejections age
+    assert state.lookup.chains[2].expected(2)[-1] > rejected + 0.3
