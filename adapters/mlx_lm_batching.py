@@ -1,27 +1,12 @@
 """mlx-lm adapter, continuous batching: MTP cycles inside mlx-lm's own ``BatchGenerator``.
 
-The server's ``BatchGenerator`` is given ``batching_model(model)`` (the model with a ``BatchContext``) when the
-model has a usable head, or has none and the server drafts from the context (``--mtp-lookup``) on a trunk the rollback
-supports (``mlx_lm_server.batch_with_mtp``); mlx-lm's scheduling (prompt batches, joins
-between steps, ``remove`` on cancellation, prompt-cache extraction) is untouched. Three runtime pieces are
-replaced or wrapped, only for such a generator's batches:
-
-* ``PromptProcessingBatch.prompt``: the trunk's hidden states of each prompt chunk also feed that row's
-  head (per request, its own KV cache), so a row joins decoding with the head's history of its prompt.
-* ``PromptProcessingBatch.generate``: builds an ``MTPGenerationBatch`` instead of mlx-lm's
-  ``GenerationBatch`` (which would run the last prompt token through the trunk at once).
-* ``MTPGenerationBatch.next``: one batched cycle (``mtp_plugin.batching``) per call; each row's
-  accepted block becomes one mlx-lm ``Response`` per token, with mlx-lm's stop and length rules per token.
-
-The cache behind each finished row holds exactly the tokens its response reports (``all_tokens``): a row
-that stops inside its block keeps only the verified inputs before its final token. A finished row's head
-is remembered (``BatchContext.remember``) so that a request reusing its prompt cache starts with the head's
-history of that context too.
-
-Logits processors see what mlx-lm's ``GenerationBatch`` shows them: the stop and length rules are applied as each
-token of a block is read (``BatchDrafter.cycle``'s ``ends``), so a row's processors never see a position after the
-token it finishes on, and a row with processors that finishes on a token no pass fed gets their call on it from one
-trunk step on a copy of its cache (``_final_calls``), as stock's last step feeds that token.
+For a model with a usable head (or, with ``--mtp-lookup``, none), the server's ``BatchGenerator`` gets
+``batching_model(model)``; mlx-lm's scheduling is untouched and, for such a generator's batches only,
+``PromptProcessingBatch.prompt`` also feeds each row's head its prompt, ``PromptProcessingBatch.generate`` builds an
+``MTPGenerationBatch``, whose ``next`` runs one batched cycle (``mtp_plugin.batching``) with the rows' drafts decided
+together (``mtp_plugin.scheduler``) and answers one mlx-lm ``Response`` per token, with mlx-lm's stop and length
+rules. A finished row's cache holds exactly the tokens its response reports; logits processors see what mlx-lm's
+``GenerationBatch`` shows them. How and why: docs/mlx-lm-server.md.
 """
 
 from __future__ import annotations
