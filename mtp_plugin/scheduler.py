@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .controller import chain_acceptance
@@ -33,11 +34,6 @@ class Decision:
     @classmethod
     def from_lookup(cls, tokens, match: int) -> Decision:
         return cls(len(tokens), tuple(tokens), match)
-
-    @property
-    def width(self) -> int:
-        """Positions the row fills in the verify pass: its newest token and its drafts."""
-        return self.drafts + 1
 
     @property
     def depth(self) -> int:
@@ -216,7 +212,7 @@ def plan(asks: list[Ask], cost, slack: float = SLACK) -> list[Decision]:
     return [d for _, d in best]
 
 
-def pricing(model: CostModel, measured: bool, lookups) -> callable:
+def pricing(model: CostModel, measured: bool, lookups) -> Callable[[int], float]:
     """The ``cost`` function ``plan`` takes: ``model``'s (its prior alone unless ``measured``), or, where a row's
     ``LookupSettings`` fix a slope, the static line of the least such slope."""
     fixed = [p.settings.slope for p in lookups if p is not None and p.settings.slope is not None]

@@ -91,9 +91,9 @@ def test_chain_and_row_state_learn_from_what_cycles_gave():
     assert state.ask(0, room=0).proposal == ()
 
 
-def test_a_decision_says_what_the_head_runs_and_how_wide_the_row_is():
+def test_a_decision_says_what_the_head_runs():
     lookup = Decision.from_lookup((7, 8, 9), 3)
-    assert lookup.width == 4 and lookup.depth == 0 and Decision.head(2).depth == 2 and PLAIN_STEP.width == 1
+    assert lookup.drafts == 3 and lookup.depth == 0 and Decision.head(2).depth == 2 and PLAIN_STEP.drafts == 0
 
 
 def test_estimates_fade_with_every_committed_token():
