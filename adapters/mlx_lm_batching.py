@@ -427,7 +427,8 @@ class MTPGenerationBatch:
         row's decision for this cycle, taken for the whole pass (``scheduler.plan``: a row's lookup draft widens the
         pass only where the batch gains and no row falls below its plain rate). Lookup drafts never exceed a row's
         remaining tokens; a queued plain step holds each row's next token, not read yet (``behind``). Ranks in
-        lockstep plan from the static cost prior and check that their lookup drafts agree."""
+        lockstep take rank 0's depths, check that their lookup proposals agree, and plan from the static cost
+        prior."""
         behind = self.ahead is not None
         asks = [row.schedule.ask(0, self.max_tokens[i] - self.num_tokens[i] - 1 - behind, behind)
                 for i, row in enumerate(self.rows)]
