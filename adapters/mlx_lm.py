@@ -21,11 +21,11 @@ from . import capture
 from .mlx_lm_decoding import (
     CAPTURED,
     add_cli_flags,
-    describe_samplers,
     mtp_generate_step,
     print_summary,
 )
 from .mlx_lm_download import fetch_head_files
+from .mlx_lm_sampling import describe_samplers
 from .mlx_lm_server import patch_server
 from .patching import Patches, claiming, version_in_range, wrap_sanitizers
 

@@ -35,8 +35,9 @@ from mtp_plugin.trunk import LogitsTrunk
 from mtp_plugin.tuning import start_depth
 
 from .capture import rollback_ready
-from .mlx_lm_decoding import CAPTURED, SAMPLINGS, generation_stream
+from .mlx_lm_decoding import CAPTURED, generation_stream
 from .mlx_lm_fallback import Resume, stock_batch
+from .mlx_lm_sampling import SAMPLINGS
 
 log = logging.getLogger("mtp_plugin")
 STORED_HEADS = 32  # finished requests whose head caches are kept for requests that reuse their prompt caches

@@ -22,56 +22,25 @@ import functools
 import inspect
 import logging
 import sys
-import weakref
 
-from mtp_plugin.decoding import MAX_DEPTH, Sampling
+from mtp_plugin.decoding import MAX_DEPTH
 from mtp_plugin.lockstep import Lockstep, group_of
 from mtp_plugin.lookup import MAX_LOOKUP, lookup_policy
 from mtp_plugin.options import MTPOptions, command_line, resolve, set_command_line
 from mtp_plugin.plugins import hook
 from mtp_plugin.scheduler import costs_of
 from mtp_plugin.stats import MTPStats
-from mtp_plugin.tuning import depth_policy, sampled_policy
+from mtp_plugin.tuning import depth_policy
 
 from .capture import rollback_ready
+from .mlx_lm_sampling import SAMPLINGS
 from .patching import release
 
 log = logging.getLogger("mtp_plugin")
 # mlx-lm < 0.32 shows logits processors only the tokens after the chunked prefill (measured on 0.31.3).
 PREFILL_IN_HISTORY = release("mlx-lm") >= (0, 32, 0)
 CAPTURED: dict[str, bool] = {}  # model type -> its layers needing capture points got them (``capture.install``)
-SAMPLINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sampler -> Sampling, None when greedy
 TOLD_HEADLESS: set[int] = set()  # ids of models told why an explicit depth decodes stock (``warn_headless``)
-
-
-def describe_samplers(make_sampler):
-    """Wrap ``make_sampler`` so that ``SAMPLINGS`` describes every sampler it returns (None: greedy)."""
-    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-
-    signature = inspect.signature(make_sampler)
-
-    @functools.wraps(make_sampler)
-    def wrapper(*args, **kwargs):
-        sampler = make_sampler(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        s = bound.arguments
-        if s["temp"] == 0:
-            SAMPLINGS[sampler] = None
-        if s["temp"] == 0 or s.get("xtc_probability", 0.0) > 0.0:
-            return sampler
-        filters = []
-        if 0 < s["top_p"] < 1.0:
-            filters.append(functools.partial(apply_top_p, top_p=s["top_p"]))
-        if s["min_p"] != 0.0:
-            filters.append(functools.partial(apply_min_p, min_p=s["min_p"],
-                                             min_tokens_to_keep=s["min_tokens_to_keep"]))
-        if s["top_k"] > 0:
-            filters.append(functools.partial(apply_top_k, top_k=s["top_k"]))
-        SAMPLINGS[sampler] = Sampling(s["temp"], tuple(filters))
-        return sampler
-
-    return wrapper
 
 
 def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured: bool = False) -> dict | None:
@@ -84,9 +53,8 @@ def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured
     models build their own caches and ignore it), ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start``
     by mlx-lm's own ``maybe_quantize_kv_cache`` after every committed pass (``kv_quantizer``). A rotating
     KV cache (a ``prompt_cache`` holding ``RotatingKVCache`` layers) is exact while it never wraps; one that
-    could wrap during this generation cannot be rolled back, and decodes stock with a warning. A sampled
-    generation with the automatic depth decides from counts only (``tuning.sampled_policy``; tuned plain: stock),
-    so that a seed fixes its tokens.
+    could wrap during this generation cannot be rolled back, and decodes stock with a warning. A sampled generation
+    draws position-keyed (``Sampling.with_coupling``): a seed fixes its tokens whatever it drafts.
 
     Raises:
         ValueError: a bad ``mtp_depth`` (``tuning.depth_policy``) or ``mtp_lookup`` (``lookup.lookup_policy``).
@@ -111,19 +79,14 @@ def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured
             log.warning("mtp_plugin: a rotating KV cache of %d tokens could wrap during this generation and "
                         "cannot be rolled back after a rejected draft; decoding without MTP.", c.max_size)
             return None
-    automatic = depth is None or (type(depth) is int and depth == 0)  # resolved already (``options.resolve``)
     sampling = None if sampler is None else SAMPLINGS[sampler]  # None: greedy (also mlx-lm's temp=0 sampler)
+    sampling = None if sampling is None else sampling.with_coupling()
     if loaded is None:
         policy = 1  # no head: never asked (the loop drafts from the context or steps plain)
-    elif sampling is not None and automatic and not depth:
-        # Sampling: the same seed must give the same tokens, as in stock mlx-lm, so the depth must not depend
-        # on timing (the adaptive controller): decisions from counts only; tuned plain: stock decoding.
-        policy = sampled_policy(loaded)
-        if policy is None:
-            return None
     else:
-        policy = depth_policy(depth, loaded)  # raises on a bad depth
-    stats = MTPStats(None if loaded is None else policy if isinstance(policy, int) else getattr(policy, "depth", None))
+        policy = depth_policy(depth, loaded, sampling is not None)  # raises on a bad depth
+    stats = MTPStats(None if loaded is None else policy if isinstance(policy, int) else getattr(policy, "depth", None),
+                     headless=loaded is None)
     if loaded is not None:
         loaded.stats = stats
     return {

@@ -5,8 +5,9 @@
   The prompt pass is mlx-vlm's own (``prompt_inputs``: its ``get_input_embeddings`` merges the media
   features and derives the multimodal positions; the trunk runs its language model with them), and the head
   sees the same positions (``trunk.PromptInputs``). Sampling (temperature, top-p, top-k, min-p, top-nσ,
-  p-less, typical-p, penalties) is exact rejection sampling against the distribution of the sampler
-  ``generate_step`` would build (``mlx_vlm_sampling``). Anything else stays stock: media on a model whose
+  p-less, typical-p, penalties) draws from the distribution of the sampler ``generate_step`` would build
+  (``mlx_vlm_sampling``): with its position-keyed sampler, its own draws; else position-keyed Gumbel-max draws
+  (``coupling``). Anything else stays stock: media on a model whose
   trunk takes no multimodal positions, ``enable_mtp=False``, a drafter passed as ``draft_model`` (mlx-vlm's
   own speculative loop, e.g. its native Qwen3.5 MTP drafter, runs as asked), a custom ``sampler``, thinking
   budgets, prompt-cache checkpoints, a rotating or quantized KV cache (``max_kv_size``, ``kv_bits``,
@@ -37,7 +38,7 @@ from mtp_plugin.plugins import hook
 from mtp_plugin.scheduler import costs_of
 from mtp_plugin.stats import MTPStats
 from mtp_plugin.trunk import PromptInputs, multimodal
-from mtp_plugin.tuning import depth_policy, sampled_policy
+from mtp_plugin.tuning import depth_policy
 
 from .capture import rollback_ready
 from .mlx_lm_decoding import add_mtp_arguments, announce, warn_headless
@@ -164,18 +165,13 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, position
 
     temperature, top_p, top_k = _sampling_parameters(ar, model, args)
     sampled = sampling(ar, args, temperature, top_p, top_k, positioned) if temperature > 0 else None
-    policy = None
-    if sampled is not None and (depth is None or (type(depth) is int and depth == 0)):
-        # A seed must fix the tokens, as in stock mlx-vlm: the depth of a sampled generation may not depend on
-        # timing (the adaptive controller); decisions from counts only (tuned plain: stock decoding).
-        policy = sampled_policy(loaded)
-        if policy is None:
-            return None
+    if sampled is not None and sampled.keyed is None:  # mlx-vlm's own keyed draws stay its own
+        sampled = sampled.with_coupling()
 
     prompt_size = args["input_ids"].size
     step = args.get("prefill_step_size")
     chunked = step is not None and (prompt_size > 1 if CHUNKS_EVERY_PROMPT else prompt_size > step)
-    policy = policy or depth_policy(depth, loaded)  # raises on a bad depth
+    policy = depth_policy(depth, loaded, sampled is not None)  # raises on a bad depth
     loaded.stats = MTPStats(policy if isinstance(policy, int) else getattr(policy, "depth", None))
     cache = args.get("prompt_cache")
     return {

@@ -141,8 +141,8 @@ def read_config(model_dir: Path) -> dict:
     """config.json of ``model_dir`` as a dict.
 
     Raises:
-        CheckpointError: config.json is missing, unreadable, not valid JSON or not a JSON object; the message
-            names the file and the fix.
+        CheckpointError: config.json is missing, unreadable, not valid JSON, or it or its ``text_config`` not a JSON
+            object; the message names the file and the fix.
     """
     path = Path(model_dir) / "config.json"
     try:
@@ -156,7 +156,25 @@ def read_config(model_dir: Path) -> dict:
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: {JSON_KINDS.get(type(config), 'not an object')}, not a JSON object; "
                               "restore the file from its source.")
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise CheckpointError(f"{path}: \"text_config\" is {JSON_KINDS.get(type(text), 'not an object')}, not a JSON "
+                              "object; restore the file from its source.")
     return config
+
+
+def check_weight_files(model_dir: Path) -> None:
+    """Read the header of every ``.safetensors`` file of ``model_dir`` (its top level and ``mtp/``), which also checks
+    that the file holds every tensor its header lists.
+
+    Raises:
+        CheckpointError: the first file that cannot be read or is cut short (a truncated download), named with the
+            fix.
+    """
+    model_dir = Path(model_dir)
+    for path in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("mtp/*.safetensors")):
+        if path.is_file():
+            mtp_read_tensor_names(path)
 
 
 def read_index(model_dir: Path) -> tuple[dict | None, str | None]:

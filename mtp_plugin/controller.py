@@ -276,42 +276,6 @@ class DepthController:
         return plain is not None and bool(measured) and all((d + 1) / self.cost(d) <= plain for d in measured)
 
 
-class SampledDepth:
-    """The depth policy of a sampled generation with the automatic depth: decisions from counts only, never from
-    clocks, so that a seed fixes the tokens as in stock decoding (the draws a cycle makes depend on its depth).
-
-    Every cycle drafts ``depth`` tokens until ``probe`` cycles have run; then, if their mean tokens per cycle
-    (1 + accepted drafts) is below the cost of a cycle in plain steps by a static model of the backend,
-    ``1 + slope × depth`` (``tuning.sampled_policy``: a verify pass of d+1 tokens costs about 1 + 0.1 d plain steps
-    on a GPU or Apple silicon, and its share of a compute-bound CPU pass grows with every token), the rest of the
-    generation decodes plain: its drafts do not pay (a random-initialised head accepts 6-15 % of its drafts when
-    sampling, enough to pass the head's 2 % health check).
-
-    Args:
-        depth: the draft depth, 1..8 (the tuned one, else the default).
-        slope: cycle cost per draft token, in plain steps (the model above).
-        probe: cycles counted before the decision.
-    """
-
-    def __init__(self, depth: int, slope: float, probe: int = 16):
-        self.depth, self.slope, self.probe = depth, slope, probe
-        self.cycles = self.tokens = 0
-        self.parked = False
-
-    def next_depth(self) -> int:
-        """``depth``, or PLAIN once parked."""
-        return PLAIN if self.parked else self.depth
-
-    def observe(self, depth: int, accepted: int, seconds: float) -> None:
-        """Count a drafting cycle's tokens; decide once ``probe`` cycles have run (``seconds`` is ignored)."""
-        if depth == PLAIN or self.cycles >= self.probe:
-            return
-        self.cycles += 1
-        self.tokens += accepted + 1
-        if self.cycles == self.probe:
-            self.parked = self.tokens / self.cycles < 1 + self.slope * self.depth
-
-
 class FixedDepth:
     """The depth policy of an explicit depth: every cycle drafts ``depth`` tokens, nothing is learned."""
 

@@ -1,8 +1,9 @@
 """The MTP decoding loop of one generation: draft, verify in one trunk pass, accept, commit (roll back the rest).
 
-Greedy output is the trunk's own, token for token; sampling is exact speculative sampling (Leviathan et al. 2023,
-"Fast Inference from Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023), so the output
-distribution is the trunk's after the runtime's logits processors and sampler filters. What each cycle drafts (the
+Greedy output is the trunk's own, token for token. Sampled output has the trunk's distribution after the runtime's
+logits processors and sampler filters: position-keyed draws that the drafts share (``Sampling.keyed``: a seed fixes
+the tokens whatever is drafted), or exact speculative sampling (Leviathan et al. 2023, "Fast Inference from
+Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023). What each cycle drafts (the
 head at a depth, the context, or a plain step) is the scheduler's decision (``scheduler.plan``); a head whose output
 is not finite, or that accepts almost nothing, is parked (``health.HeadHealth``). One host synchronisation per cycle
 (per position with logits processors: ``Walk``), and each block's successor is queued before the block is yielded,
@@ -11,6 +12,7 @@ as in mlx-lm's own loop. How and why: docs/decoding.md.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -22,6 +24,7 @@ import mlx.nn as nn
 
 from . import rollback
 from .controller import PLAIN, FixedDepth
+from .coupling import GumbelDraws
 from .drafter import Drafter
 from .drafter import log_softmax as _log_softmax
 from .health import HeadHealth
@@ -65,16 +68,24 @@ class Sampling:
         temp: temperature > 0.
         filters: functions log-probs (…, V) → filtered log-probs (-inf where excluded), in the
             runtime sampler's order (e.g. mlx-lm's ``apply_top_p``, ``apply_min_p``, ``apply_top_k``).
-        keyed: the runtime's own draws when it keys each token's randomness by the token's position
-            (mlx-vlm's seeded sampler): ``keyed(logprobs (k, V), first) -> tokens (k,)`` for the generated
+        keyed: draws keyed by each token's position (mlx-vlm's seeded sampler, or ``coupling.GumbelDraws``):
+            ``keyed(logprobs (k, V), first) -> tokens (k,)`` for the generated
             tokens ``first .. first+k-1`` (0: the first token after the prompt). The loop then draws every
             emitted token with it and accepts a draft iff it equals that token (``accept_matching``), so a
             seed gives the runtime's own tokens at any depth; None: exact speculative sampling.
+        coupled: the drafts draw with ``keyed`` too, each at the position it would take (``coupling.GumbelDraws``);
+            False: with ``keyed``, the head's argmax.
     """
 
     temp: float
     filters: tuple[Callable[[mx.array], mx.array], ...] = ()
     keyed: Callable[[mx.array, int], mx.array] | None = None
+    coupled: bool = False
+
+    def with_coupling(self) -> Sampling:
+        """This distribution drawn by position-keyed Gumbel-max draws (``coupling.GumbelDraws``) that the drafts
+        share: the tokens depend on the seed and the trunk only."""
+        return dataclasses.replace(self, keyed=GumbelDraws(self.temp, self.filters), coupled=True)
 
     def probs(self, logprobs: mx.array) -> mx.array:
         """Sampling distribution (…, V), float32: softmax(filters(logprobs) / temp)."""
@@ -386,7 +397,7 @@ class _Loop:
         None, with every cache as it was, when the runtime's capture points were gone during the pass
         (``mtp_plugin.unpatch()`` on another thread): the cycle could not be rolled back; from then on
         the generation goes on in plain steps (``uncaptured``)."""
-        drafts, q, finite = self.drafter.draft(depth)
+        drafts, q, finite = self.drafter.draft(depth, self.position)
         mx.async_eval(drafts)  # the head runs while the verify pass is built
         return self.verify(drafts, q, finite)
 
@@ -526,7 +537,8 @@ def generate(
             draft or the plain step, verified and accepted by the same rules (a point-mass proposal when sampling);
             None: the head only.
         costs: the model's ``scheduler.CostModel`` of one-row passes, fed this generation's plain steps and lookup
-            cycles (measured costs decide only greedy generations on one process); None: a prior of 1 + (k − 1).
+            cycles (measured costs decide greedy and keyed generations on one process); None: a prior of
+            1 + (k − 1).
 
     Yields:
         ``(token, logprobs)``: token id (int) and the trunk's log-probs (V,) at its position.
@@ -551,7 +563,7 @@ def generate(
     processors = list(logits_processors or [])
     callback = prompt_progress_callback or (lambda *_: None)
     history = (prompt if prefill_history else prompt[-1:]) if processors else None
-    drafter = Drafter(head, trunk, head_cache, None if sampling is None or sampling.keyed else sampling, draft_vocab)
+    drafter = Drafter(head, trunk, head_cache, sampling, draft_vocab)
     loop = _Loop(trunk, cache, drafter, sampling, processors, history, cache_step)
     health = health if health is not None else HeadHealth("given to decoding.generate")
     if health.parked:
@@ -580,7 +592,8 @@ def generate(
     n = emitted = accepted = 0
     row = RowState(lookup, MAX_DEPTH)
     costs = costs if costs is not None else CostModel(1.0)
-    price = pricing(costs, sampling is None and lockstep is None, [lookup])  # clocks never decide a seeded draw
+    # clocks decide only where the tokens do not depend on the drafts (greedy, keyed draws) and ranks need not agree
+    price = pricing(costs, (sampling is None or sampling.keyed is not None) and lockstep is None, [lookup])
     held = None  # the policy's depth, asked for a cycle that drafted from the context instead
 
     def ask(block: int, behind: bool = False) -> Decision | None:
@@ -711,6 +724,8 @@ def generate(
     finally:
         if kind != "diverged":
             _settle(loop, kind, cycle, accepted, following, emitted, stats)
+        if sampling is not None and sampling.coupled:  # as the runtime's loop: a draw per token, one queued ahead
+            sampling.keyed.release(n + 1)
 
 
 def _record(stats: MTPStats, cycle: _Cycle, accepted: int, emitted: int) -> None:

@@ -80,19 +80,26 @@ def draft_logits(head_output: mx.array, trunk, vocab=None) -> mx.array:
     return trunk.logits(head_output) if vocab is None else vocab.logits(head_output)
 
 
-def propose(logits: mx.array, sampling=None, vocab=None) -> tuple[mx.array, mx.array | None]:
+def propose(logits: mx.array, sampling=None, vocab=None, position: int = 0) -> tuple[mx.array, mx.array | None]:
     """Draft tokens from draft logits (``draft_logits``).
 
     Args:
         logits: (B, V) draft logits, or (B, k) over the subset of ``vocab``.
-        sampling: None for the argmax, else a ``decoding.Sampling``: a sample of q, its distribution.
+        sampling: None for the argmax, else a ``decoding.Sampling``: a sample of q, its distribution; ``coupled``:
+            the draw of generated token ``position`` (B = 1), whose noise the target token at that position shares
+            (``coupling.GumbelDraws``), and no q; ``keyed`` alone: the argmax.
         vocab: the ``draft_vocab.DraftVocabulary`` the logits are over (indices map back to full-vocabulary ids, q
             is zero outside its subset), or None.
 
     Returns:
-        draft token ids (B,) and, when sampling, q (B, V) float32 (else None).
+        draft token ids (B,) and, when sampling without ``keyed``, q (B, V) float32 (else None).
     """
-    if sampling is None:
+    if sampling is not None and sampling.coupled:
+        logprobs = log_softmax(logits)
+        if vocab is not None:
+            logprobs = mx.full((1, vocab.vocab_size), -mx.inf, logprobs.dtype).at[:, vocab.ids].maximum(logprobs)
+        return sampling.keyed(logprobs, position), None
+    if sampling is None or sampling.keyed is not None:
         index = mx.argmax(logits, axis=-1)
         return (index, None) if vocab is None else (vocab.tokens(index), None)
     q = sampling.probs(log_softmax(logits.astype(mx.float32)))
@@ -124,9 +131,10 @@ class Drafter:
         embeddings, positions = self.trunk.head_inputs(tokens, start)
         return self.head(hidden, embeddings, cache=self.cache, positions=positions)
 
-    def choose(self, g: mx.array) -> tuple[mx.array, mx.array | None]:
-        """Draft token (1,) from head output g (1, 1, H): the argmax, or a sample from q (1, V) when sampling."""
-        return propose(draft_logits(g[0], self.trunk, self.vocab), self.sampling, self.vocab)
+    def choose(self, g: mx.array, position: int) -> tuple[mx.array, mx.array | None]:
+        """Draft token (1,) from head output g (1, 1, H) for generated token ``position``: the argmax, or a sample from
+        q (1, V) when sampling (``propose``)."""
+        return propose(draft_logits(g[0], self.trunk, self.vocab), self.sampling, self.vocab, position)
 
     def prefill(self, carry: mx.array | None, hidden: mx.array, tokens: mx.array) -> mx.array:
         """Feed the pairs a prompt chunk completes (``carry``: the previous chunk's last hidden, or None). The first
@@ -163,8 +171,8 @@ class Drafter:
         hidden, tokens = self.pending.take()
         mx.async_eval(self.feed(hidden, tokens, self.committed - tokens.size))
 
-    def draft(self, depth: int) -> tuple[mx.array, mx.array | None, mx.array]:
-        """Queue ``depth`` draft steps after feeding every kept pair.
+    def draft(self, depth: int, position: int = 0) -> tuple[mx.array, mx.array | None, mx.array]:
+        """Queue ``depth`` draft steps after feeding every kept pair; the first draft is generated token ``position``.
 
         Returns:
             draft tokens (depth,); when sampling, the distributions q (depth, V) they were drawn from (else
@@ -175,7 +183,7 @@ class Drafter:
         g = self.feed(hidden, tokens, self.committed - tokens.size)[:, -1:]
         drafts, qs, outputs = [], [], []
         for k in range(depth):
-            x, q = self.choose(g)
+            x, q = self.choose(g, position + k)
             drafts.append(x)
             qs.append(q)
             outputs.append(g)
@@ -184,7 +192,7 @@ class Drafter:
         finite = mx.isfinite(mx.concatenate(outputs, axis=1) if depth > 1 else g).all()
         if depth == 1:
             return drafts[0], qs[0], finite
-        return mx.concatenate(drafts), None if self.sampling is None else mx.concatenate(qs), finite
+        return mx.concatenate(drafts), None if qs[0] is None else mx.concatenate(qs), finite
 
     def accept(self, depth: int, hidden: mx.array, tokens: mx.array) -> None:
         """After a verify pass at ``depth``: drop the draft steps' rows, keep the accepted pairs

@@ -34,6 +34,7 @@ class LoadedHead:
         stats: counters of the last generation that used this head, or None.
         controller: the adaptive depth controller (``controller.DepthController``) of automatic-depth
             generations, created by the first and kept for the next ones (``tuning.depth_policy``).
+        sampled_controller: the same for sampled generations (their acceptance is not greedy's).
         health: lifetime acceptance of the head and whether it is parked (``health.HeadHealth``).
         batching: a runtime adapter's state for batched MTP decoding with this head (e.g. its depth
             policies per batch size), created on first use and kept across batches.
@@ -47,6 +48,7 @@ class LoadedHead:
     quantization: dict[str, str] = field(default_factory=dict)
     stats: MTPStats | None = None
     controller: object | None = None
+    sampled_controller: object | None = None
     health: HeadHealth | None = None
     batching: object | None = None
     draft_vocab: object | None = None

@@ -72,7 +72,10 @@ class LookupSettings:
         first_prior: prior acceptance of a lookup's first draft, in (0, 1).
         prior_weight: pseudo-cycles of prior in each acceptance estimate, ≥ 0.
         half_life: committed tokens after which a count weighs half, > 0.
-        n_min, n_max: the n-gram lengths matched (``ContextIndex``).
+        n_min, n_max: the n-gram lengths matched (``ContextIndex``), 1 ≤ n_min ≤ n_max.
+
+    Raises:
+        ValueError: a setting out of its range, named.
     """
 
     max_len: int = MAX_LOOKUP
@@ -83,6 +86,18 @@ class LookupSettings:
     n_min: int = 2
     n_max: int = 4
 
+    def __post_init__(self):
+        """Raises ValueError naming every setting out of its range."""
+        bad = [f"{name}={value!r} (must be {rule})" for name, value, ok, rule in (
+            ("max_len", self.max_len, 1 <= self.max_len <= MAX_LOOKUP, f"1..{MAX_LOOKUP}"),
+            ("slope", self.slope, self.slope is None or self.slope >= 0, "None or >= 0"),
+            ("first_prior", self.first_prior, 0 < self.first_prior < 1, "in (0, 1)"),
+            ("prior_weight", self.prior_weight, self.prior_weight >= 0, ">= 0"),
+            ("half_life", self.half_life, self.half_life > 0, "> 0"),
+            ("n_min", self.n_min, 1 <= self.n_min <= self.n_max, "1..n_max")) if not ok]
+        if bad:
+            raise ValueError(f"LookupSettings: {'; '.join(bad)}")
+
 
 class LookupPolicy:
     """A generation's lookup drafts: its context's index, and the acceptance of its drafts so far, kept apart for each
@@ -90,21 +105,10 @@ class LookupPolicy:
 
     Args:
         settings: constants (``LookupSettings``).
-
-    Raises:
-        ValueError: a setting out of its range, named.
     """
 
     def __init__(self, settings: LookupSettings | None = None):
         self.settings = s = settings or LookupSettings()
-        bad = [f"{name}={value!r} (must be {rule})" for name, value, ok, rule in (
-            ("max_len", s.max_len, 1 <= s.max_len <= MAX_LOOKUP, f"1..{MAX_LOOKUP}"),
-            ("slope", s.slope, s.slope is None or s.slope >= 0, "None or >= 0"),
-            ("first_prior", s.first_prior, 0 < s.first_prior < 1, "in (0, 1)"),
-            ("prior_weight", s.prior_weight, s.prior_weight >= 0, ">= 0"),
-            ("half_life", s.half_life, s.half_life > 0, "> 0")) if not ok]
-        if bad:
-            raise ValueError(f"LookupSettings: {'; '.join(bad)}")
         self.index = ContextIndex(s.n_min, s.n_max)
         self.chains = {n: Chain(s.max_len, s.first_prior, s.prior_weight, s.half_life)
                        for n in range(s.n_min, s.n_max + 1)}

@@ -22,6 +22,7 @@ class MTPStats:
         depths: the draft depth of each cycle, in order.
         lookup_cycles, lookup_drafted, lookup_accepted, lookup_emitted: the same counts for cycles that verified
             drafts from the context (``lookup.py``) instead of the head's (not in the counts above).
+        headless: the model has no head: only lookup drafts and plain steps (``summary`` says so).
     """
 
     depth: int | None = None
@@ -37,6 +38,7 @@ class MTPStats:
     lookup_drafted: int = 0
     lookup_accepted: int = 0
     lookup_emitted: int = 0
+    headless: bool = False
 
     def record_lookup(self, accepted: int, emitted: int, drafted: int) -> None:
         """One cycle verifying ``drafted`` lookup drafts, ``accepted`` of them accepted, ``emitted`` tokens emitted."""
@@ -99,7 +101,7 @@ class MTPStats:
     def summary(self) -> str:
         """The line ``mlx_lm.generate`` prints: ``MTP: depth=2 drafted=120 accepted=96 …``; an adaptive
         generation says ``depth=auto`` and adds the cycles run at each depth and the plain tokens."""
-        if not self.cycles and self.lookup_cycles:  # no head drafted (a model without one)
+        if self.headless:
             return (f"MTP lookup: drafted={self.lookup_drafted} accepted={self.lookup_accepted} "
                     f"cycles={self.lookup_cycles} plain={self.plain}")
         line = (f"MTP: depth={self.depth or 'auto'} drafted={self.drafted} accepted={self.accepted} "

@@ -157,31 +157,11 @@ def start_depth(model_dir: Path, default: int, max_depth: int) -> int:
     return depth if depth is not None and 0 <= depth <= max_depth else default
 
 
-SAMPLED_SLOPES = {"gpu": 0.1, "cpu": 0.5}  # cycle cost per draft token in plain steps (``SampledDepth``)
-
-
-def sampled_policy(loaded):
-    """The depth policy of a sampled generation with the automatic depth on ``loaded`` (a ``loader.LoadedHead``):
-    ``controller.SampledDepth`` at the tuned depth (else the default), which decides from counts only so that a
-    seed fixes the tokens, with the static cost slope of MLX's default device (``SAMPLED_SLOPES``: on this CPU a
-    verify pass of k tokens cost 1 + 0.27-0.43 (k-1) plain steps in bf16 and about k in float32 and 4-bit, a draft
-    step 0.03-0.3; on a GPU a pass of a few tokens costs little more than one); None when tuning found plain
-    decoding fastest (the generation decodes stock)."""
-    import mlx.core as mx
-
-    from .controller import SampledDepth
-    from .decoding import DEFAULT_DEPTH, MAX_DEPTH
-
-    depth = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
-    kind = "cpu" if mx.default_device().type == mx.cpu else "gpu"
-    return SampledDepth(depth, SAMPLED_SLOPES[kind]) if depth else None
-
-
-def depth_policy(depth, loaded):
+def depth_policy(depth, loaded, sampled: bool = False):
     """The loop's ``depth`` option for a requested depth: a fixed depth 1..8 or a policy object as given;
-    0 or None (automatic): the adaptive ``DepthController`` of ``loaded`` (a ``loader.LoadedHead``), created
-    on first use starting at the tuned depth (else the default) and kept, so each generation with this
-    head starts from what the previous ones measured (one loaded model serving many requests).
+    0 or None (automatic): the adaptive ``DepthController`` of ``loaded`` (a ``loader.LoadedHead``) for greedy or
+    ``sampled`` generations, created on first use starting at the tuned depth (else the default) and kept, so each
+    generation with this head starts from what the previous ones measured (one loaded model serving many requests).
 
     Raises:
         ValueError: ``depth`` is not an integer 0..8 (bool, str and float included), None, or an object with
@@ -196,9 +176,10 @@ def depth_policy(depth, loaded):
                          f"depth policy with next_depth() and observe(); got {depth!r}")
     if depth:
         return depth if policy else int(depth)
-    if loaded.controller is None:
+    name = "sampled_controller" if sampled else "controller"
+    if getattr(loaded, name) is None:
         from .controller import DepthController
         from .decoding import DEFAULT_DEPTH
 
-        loaded.controller = DepthController(start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH))
-    return loaded.controller
+        setattr(loaded, name, DepthController(start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)))
+    return getattr(loaded, name)

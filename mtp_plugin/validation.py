@@ -163,7 +163,8 @@ def structure_problems(location: HeadLocation, head: nn.Module, weights: dict) -
         return module
 
     head.update_modules(tree_map_with_path(quantize_like_stored, head.leaf_modules(), is_leaf=nn.Module.is_module))
-    expected = {name: tuple(value.shape) for name, value in tree_flatten(head.parameters())}
+    parameters = dict(tree_flatten(head.parameters()))
+    expected = {name: tuple(value.shape) for name, value in parameters.items()}
     reported = {n for n in expected if n.rpartition(".")[0] in broken}
     missing = sorted(n for n in expected if n not in weights and n not in reported)
     if missing:
@@ -173,6 +174,9 @@ def structure_problems(location: HeadLocation, head: nn.Module, weights: dict) -
         shape = tuple(weights[name].shape)
         if shape != expected[name]:
             problems.append(f"{where(name)}: {_shape_problem(location, name, shape, expected[name])}{FIX}")
+        elif mx.issubdtype(parameters[name].dtype, mx.floating) and not mx.issubdtype(weights[name].dtype, mx.floating):
+            problems.append(f"{where(name)}: stored as {str(weights[name].dtype).split('.')[-1]}, not a floating-point "
+                            f"type{FIX}")
     unknown = sorted(n for n in weights if n not in expected and n.rpartition(".")[0] not in broken)
     return problems + _unknown_problems(location, unknown, expected, where), labels
 

@@ -209,6 +209,10 @@ BROKEN = {  # id: (quantized head?, change, words the problem must contain)
     "unknown-tensor": (False, lambda h: {**h, "layers.0.self_attn.gate.weight": mx.ones((4, 64))},
                        ["mtp.layers.0.self_attn.gate.weight", "not a parameter of the head"]),
     "two-layers": (False, _second_layer, ["layers.1.*", "beyond the 1 of the head module"]),
+    "integer-norm": (False, lambda h: {**h, "norm.weight": mx.ones((64,), dtype=mx.int32)},
+                     ["mtp.norm.weight", "stored as int32, not a floating-point type"]),
+    "integer-fc": (False, lambda h: {**h, "fc.weight": h["fc.weight"].astype(mx.int8)},
+                   ["mtp.fc.weight", "stored as int8, not a floating-point type"]),
 }
 
 
@@ -440,12 +444,8 @@ def _untrained_head_on_the_trained_trunk(path):
 
 
 def test_sampled_generation_parks_drafts_that_cannot_pay(tmp_path):
-    """A sampled generation with the automatic depth decides from counts only: an untrained head on the trained
-    trunk decodes plain after the probe cycles, a seed still
-    fixes the tokens (the same twice)."""
-    from mtp_plugin.controller import SampledDepth
-    from mtp_plugin.decoding import DEFAULT_DEPTH
-
+    """A sampled generation with the automatic depth: an untrained head on the trained trunk soon decodes plain, and
+    a seed fixes the tokens (the same twice, the same as with the trained head: they do not depend on the drafts)."""
     generate_step = importlib.import_module("mlx_lm.generate").generate_step
     runs = []
     for path in (_untrained_head_on_the_trained_trunk(tmp_path / "random-head"), TINY / "hf"):
@@ -456,11 +456,9 @@ def test_sampled_generation_parks_drafts_that_cannot_pay(tmp_path):
             tokens.append([t for t, _ in generate_step(prompt, model, max_tokens=72, sampler=make_sampler(0.8))])
         runs.append((tokens, model.mtp_head.stats))
     (random_tokens, random_stats), (trained_tokens, trained_stats) = runs
-    probe = SampledDepth(DEFAULT_DEPTH, 0.0).probe
-    assert random_stats.cycles in (probe, probe + 1) and random_stats.plain > 0, random_stats  # asked one ahead
-    assert random_tokens[0] == random_tokens[1] and trained_tokens[0] == trained_tokens[1]
-    if trained_stats.plain:  # the trained head may park too where its drafts do not pay: not for lack of counting
-        assert trained_stats.accepted / trained_stats.cycles > random_stats.accepted / random_stats.cycles
+    assert random_stats.plain > random_stats.cycles, random_stats
+    assert random_tokens[0] == random_tokens[1] == trained_tokens[0] == trained_tokens[1]
+    assert trained_stats.accepted / trained_stats.cycles > random_stats.accepted / max(random_stats.cycles, 1)
 
 
 @pytest.mark.skipif(release("mlx-vlm") < (0, 7), reason="mlx-vlm 0.6 loads no Qwen3.5 checkpoint without vision")

@@ -1,6 +1,7 @@
 """Every command answers bad input with a message and exit 2 (failures exit 1); ``--help`` gives defaults and
 ranges; long commands show progress on stderr. Each case on a copy of the bundled checkpoints."""
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -77,6 +78,30 @@ def test_commands_name_an_invalid_config_json(model, tmp_path, capsys, command, 
     assert f"mtp-plugin: {model / 'config.json'}: " in err and "restore the file" in err, err
     assert "warm-up" not in err and "trunk passes" not in err
     assert not (tmp_path / "out").exists() and not (tmp_path / "head.safetensors").exists()
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_commands_name_a_text_config_that_is_not_an_object(model, tmp_path, capsys, command):
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "text_config": "abc"}))
+    assert exit_code(model_args(command, model, tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert f"mtp-plugin: {model / 'config.json'}: \"text_config\" is a string, not a JSON object" in err, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("cut", ["header", "tensors"])
+def test_commands_name_a_truncated_weights_file(model, tmp_path, capsys, command, cut):
+    """A download cut off in the header or among the tensors (exit 1): the message names the file and the fix, before
+    any runtime reads it."""
+    path = model / "model.safetensors"
+    with open(path, "r+b") as f:
+        f.truncate(100 if cut == "header" else path.stat().st_size // 2)
+    assert exit_code(model_args(command, model, tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert f"mtp-plugin: {path}: unreadable safetensors header" in err and "re-download" in err, err
+    assert "warm-up" not in err and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("donor", ["missing", "missing.safetensors", "empty-directory"])

@@ -36,8 +36,8 @@ def spy_drafts(monkeypatch) -> list[int]:
     drafted = []
     original = Drafter.draft
 
-    def draft(self, depth):
-        out = original(self, depth)
+    def draft(self, depth, position=0):
+        out = original(self, depth, position)
         drafted.extend(out[0].reshape(-1).tolist())
         return out
 

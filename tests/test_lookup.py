@@ -12,7 +12,7 @@ from mlx_lm import load
 from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_logits_processors
 
-from mtp_plugin.lookup import ContextIndex, LookupPolicy, LookupSettings, lookup_policy
+from mtp_plugin.lookup import ContextIndex, LookupSettings, lookup_policy
 from mtp_plugin.options import MTPOptions, command_line, resolve, set_command_line
 
 MLX4 = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5" / "mlx-4bit"
@@ -88,9 +88,10 @@ def test_bad_lookup_option_is_refused(bundled):
     model, prompt = bundled
     with pytest.raises(ValueError, match="mtp_lookup"):
         tokens(model, prompt, max_tokens=4, mtp_lookup="yes")
-    for bad in ({"max_len": 40}, {"half_life": 0}, {"first_prior": 1.5}, {"prior_weight": -1}, {"slope": -0.1}):
+    for bad in ({"max_len": 40}, {"half_life": 0}, {"first_prior": 1.5}, {"first_prior": 0}, {"prior_weight": -1},
+                {"slope": -0.1}, {"n_min": 5}):
         with pytest.raises(ValueError, match=f"LookupSettings: {next(iter(bad))}="):
-            LookupPolicy(LookupSettings(**bad))
+            LookupSettings(**bad)
     assert lookup_policy(None, headless=True) is None and lookup_policy(False, False) is None
 
 
@@ -137,6 +138,10 @@ def test_headless_greedy_identical_and_cache_as_plain(headless):
     stats = headless.mtp_lookup_stats
     assert stats.lookup_cycles > 0 and stats.cycles == 0
     assert stats.lookup_emitted + stats.plain == len(plain) - 1
+    assert stats.summary().startswith("MTP lookup: drafted=")
+    tokens(headless, RANDOM_PROMPT[:3], max_tokens=2, mtp_lookup=FORCED)  # nothing to match: plain steps only
+    summary = headless.mtp_lookup_stats.summary()
+    assert summary == "MTP lookup: drafted=0 accepted=0 cycles=0 plain=1", summary
     for stop in (3, 11):
         plain_cache, lookup_cache = caches_after_close(headless, RANDOM_PROMPT, stop, mtp_lookup=FORCED)
         for a, b in zip(plain_cache, lookup_cache, strict=True):

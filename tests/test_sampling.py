@@ -1,4 +1,5 @@
-"""Temperature sampling with MTP draws from exactly the trunk's distribution (exact rejection sampling).
+"""Temperature sampling with MTP draws from exactly the trunk's distribution (position-keyed draws that the drafts
+share, ``coupling.GumbelDraws``), and a seed fixes the tokens whatever the loop drafts.
 
 A small-vocabulary float32 model of each family with a random head (so drafts are accepted and rejected often): the
 empirical distribution of generated tokens 2 and 3 under MTP is compared, by a chi-square
@@ -94,8 +95,8 @@ def test_mtp_sampling_with_draft_vocabulary_matches_trunk_distribution(model, mo
     model.mtp_head.draft_vocab = draft_vocab.build(
         hook().mtp_trunk(model=model, contract=model.mtp_head.module.contract), ids, "test")
     drafted, original = [], Drafter.draft
-    monkeypatch.setattr(Drafter, "draft", lambda self, d: drafted.extend((out := original(self, d))[0].reshape(-1)
-                                                                          .tolist()) or out)
+    monkeypatch.setattr(Drafter, "draft", lambda self, d, at: drafted.extend((out := original(self, d, at))[0]
+                                                                              .reshape(-1).tolist()) or out)
     generate_step = importlib.import_module("mlx_lm.generate").generate_step
     sampler = make_sampler(temp=1.0)
     mx.random.seed(4321)
@@ -108,7 +109,7 @@ def test_mtp_sampling_with_draft_vocabulary_matches_trunk_distribution(model, mo
     finally:
         model.mtp_head.draft_vocab = None
     assert set(drafted) <= set(ids)
-    assert set(second) - set(ids)  # tokens outside the subset are still emitted (through the residual)
+    assert set(second) - set(ids)  # tokens outside the subset are still emitted (a rejected draft's)
     m2, m3 = exact_marginals(model, 1.0, 0)
     assert chi_square_p(np.array(second), m2) > 1e-3
     assert chi_square_p(np.array(third), m3) > 1e-3
@@ -145,18 +146,26 @@ def test_lookup_sampling_matches_trunk_distribution(model, headless):
     assert chi_square_p(np.array(third), m3) > 1e-3
 
 
-@pytest.mark.parametrize("depth", [None, 0, 3])
-def test_same_seed_same_tokens(model, depth):
-    """As in stock mlx-lm, a seed fixes the sampled tokens: the automatic depth of a sampled generation does not
-    depend on timing or on what earlier generations measured (the adaptive controller is not used)."""
+def test_same_seed_same_tokens_whatever_is_drafted(model):
+    """As in stock mlx-lm, a seed fixes the sampled tokens: the same at every depth, adaptive (whose depths follow
+    clocks and what earlier generations measured), with and without lookup drafts, and run after run; and MLX's key
+    sequence is left as stock mlx-lm leaves it (a draw per token and one more)."""
     generate_step = importlib.import_module("mlx_lm.generate").generate_step
-    runs = []
-    for _ in range(3):
+    sampler = make_sampler(temp=0.9, top_k=12)
+    runs, after = {}, {}
+    for name, options in {"adaptive": {}, "adaptive again": {}, "depth 1": {"mtp_depth": 1},
+                          "depth 3": {"mtp_depth": 3}, "no lookup": {"mtp_depth": 2, "mtp_lookup": False},
+                          "lookup always": {"mtp_depth": 2, "mtp_lookup": LookupSettings(slope=0.0)}}.items():
         mx.random.seed(7)
-        runs.append([t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=40, mtp_depth=depth,
-                                                 sampler=make_sampler(temp=0.9))])
-    assert runs[0] == runs[1] == runs[2]
-    assert model.mtp_head.stats.drafted > 0
+        runs[name] = [t for t, _ in generate_step(mx.array(PROMPT * 3), model, max_tokens=40, sampler=sampler,
+                                                  **options)]
+        assert model.mtp_head.stats.drafted > 0 or "mtp_depth" not in options, name  # adaptive: it may park
+        after[name] = mx.random.state[0].tolist()
+    mx.random.seed(7)
+    stock = [t for t, _ in generate_step(mx.array(PROMPT * 3), model, max_tokens=40, sampler=sampler,
+                                         enable_mtp=False)]
+    assert len(set(map(tuple, runs.values()))) == 1, runs
+    assert len(stock) == 40 and {tuple(a) for a in after.values()} == {tuple(mx.random.state[0].tolist())}
 
 
 @pytest.mark.parametrize("depth", ["3", 2.5, True, False])

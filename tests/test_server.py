@@ -12,6 +12,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from console_runs import CONCURRENT, MLX4, PROMPTS, REPO, environment
 from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -132,6 +133,31 @@ def test_streamed_chat_matches_unstreamed_and_reports_counters(server):
     final = [e for e in events if any(c.get("finish_reason") for c in e["choices"])]
     assert len(final) == 1 and final[0]["timings"]["draft_n"] > 0
     assert events[-1]["usage"]["completion_tokens"] == 24 and events[-1]["timings"] == final[0]["timings"]
+
+
+@pytest.mark.parametrize("options", [{"mtp_depth": 1}, {"mtp_depth": 2, "mtp_lookup": False}, {"mtp_depth": 3},
+                                     {"mtp_depth": 0}, {"mtp_depth": 0, "mtp_lookup": False}])
+def test_seed_repeats_whatever_the_prompt_cache_holds(server, options):
+    """A seeded sampled request; then a request whose prompt is a prefix of it, which leaves a cache entry (its prompt
+    and completion) that the seeded request's prompt extends; then the seeded request again, restoring that entry:
+    the same text (neither the drafts nor the head's state after a cache hit decide the tokens)."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer = load(str(MLX4))
+    prefix = f"# case {sorted(options.items())}\n{PROMPTS[0]}"
+    tokens = tokenizer.encode(prefix)
+    greedy = tokenizer.decode([t for t, _ in generate_step(mx.array(tokens), model, max_tokens=4)])
+    prompt = prefix + greedy + "\n\n# more\n"
+    cached = len(tokenizer.encode(prefix + greedy))
+    assert tokenizer.encode(prompt)[:cached] == tokenizer.encode(prefix + greedy)  # the entry's tokens lead the prompt
+    body = completion(prompt, temperature=0.8, seed=5, max_tokens=32, **options)
+    _, first = server.post("/v1/completions", body)
+    _, shorter = server.post("/v1/completions", completion(prefix, seed=1, max_tokens=4, **options))
+    _, again = server.post("/v1/completions", body)
+    assert shorter["usage"]["completion_tokens"] == 4
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+    assert text_of(again) == text_of(first) and first["timings"]["draft_n"] + again["timings"]["draft_n"] > 0
 
 
 @pytest.mark.parametrize("options", [{"enable_mtp": "yes"}, {"enable_mtp": 1}, {"mtp_depth": -1},

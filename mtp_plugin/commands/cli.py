@@ -13,7 +13,7 @@ import sysconfig
 from importlib import metadata
 from pathlib import Path
 
-from ..checkpoint import CheckpointError, read_config
+from ..checkpoint import CheckpointError, check_weight_files, read_config
 from ..files import Terminated, terminating_cleanly
 from ..usage import GROUP_SIZES, HEAD_BITS, UsageError, describe, int_in
 
@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mtp-plugin: {directory}: {what}; pass a model directory.", file=sys.stderr)
         return 2
     try:
-        read_config(directory)  # an unreadable config.json is named here, before any runtime reads it
+        read_config(directory)  # an unreadable config.json or weights file is named here, before any runtime reads it
+        check_weight_files(directory)
         with terminating_cleanly():
             return args.run(args)
     except UsageError as e:

@@ -1,0 +1,51 @@
+"""Sampled tokens that do not depend on the drafts: Gumbel-max draws keyed by position.
+
+Generated token j is ``argmax(filters(logprobs) / temp + G_j)``, an exact sample of the sampling distribution, with
+Gumbel noise G_j (V,) drawn from key j of MLX's global key sequence as it stood when the generation started (the
+key mlx-lm's j-th draw takes: each draw splits the state into the next state and the draw's key). A draft for token
+j takes the same G_j over the head's log-probs (a Gumbel-max coupling) and is accepted iff the two agree. So the
+tokens are a function of the seed and the trunk alone: whatever the loop drafts, at whatever depth, from whatever
+head state, a seed gives the same tokens (a verify pass and a plain step may still round a logit differently).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class GumbelDraws:
+    """One generation's position-keyed draws (``decoding.Sampling.keyed``).
+
+    Args:
+        temp: temperature > 0.
+        filters: functions log-probs (…, V) → filtered log-probs (-inf where excluded), in the sampler's order.
+    """
+
+    def __init__(self, temp: float, filters: tuple = ()):
+        self.temp, self.filters = temp, filters
+        self.states: list[mx.array] = []  # state before draw j; read at the first draw (after a lockstep's seed)
+        self.keys: list[mx.array] = []  # key (2,) uint32 of draw j
+
+    def key(self, j: int) -> mx.array:
+        """The key of draw ``j`` (0: the first token after the prompt)."""
+        if not self.states:
+            self.states.append(mx.random.state[0])
+        while len(self.keys) <= j:
+            state, key = mx.random.split(self.states[-1])
+            self.states.append(state)
+            self.keys.append(key)
+        return self.keys[j]
+
+    def __call__(self, logprobs: mx.array, first: int) -> mx.array:
+        """Tokens (k,) uint32 of draws ``first .. first+k-1`` from log-probs (k, V) of any float dtype."""
+        for f in self.filters:
+            logprobs = f(logprobs)
+        noise = mx.stack([mx.random.gumbel(logprobs.shape[-1:], key=self.key(first + j))
+                          for j in range(logprobs.shape[0])])
+        return mx.argmax(logprobs.astype(mx.float32) / self.temp + noise, axis=-1).astype(mx.uint32)
+
+    def release(self, drawn: int) -> None:
+        """Leave MLX's global key sequence as ``drawn`` draws of the runtime's own sampler would (one host read)."""
+        self.key(drawn)
+        high, low = self.states[drawn].tolist()
+        mx.random.seed((high << 32) | low)
