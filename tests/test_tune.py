@@ -103,6 +103,24 @@ def test_efficiency_from_measured_parts():
     assert "ideal" not in rows[0]
 
 
+def test_candidates_take_every_place_in_the_order_alike():
+    """A run's speed may depend on the run before it: over repeats × prompts a multiple of the candidates, each
+    candidate runs at each place of the order equally often, and each prompt of each repeat is run by every one."""
+    runs = []
+
+    def decode(prompt, max_tokens, name):
+        runs.append((prompt[0], max_tokens, name))
+        yield from range(max_tokens)
+
+    names = {"plain": None, "depth 1": 1, "adaptive": 0}
+    results = measure.candidates(decode, lambda: None, [[0], [1]], names, 4, 3)
+    timed = [name for _, max_tokens, name in runs if max_tokens == 4]
+    places = Counter((i % 3, name) for i, name in enumerate(timed))
+    assert set(places.values()) == {2} and len(places) == 9
+    assert all(sorted(map(str, timed[i : i + 3])) == ["0", "1", "None"] for i in range(0, len(timed), 3))
+    assert list(results) == list(names)
+
+
 def test_bench_report(model_dir, capsys):
     report = bench(model_dir, depths=1, max_tokens=6, repeats=1, dtype="float32")
     progress = capsys.readouterr().err  # the phases, on stderr

@@ -5,7 +5,7 @@ each GatedDeltaNet rollback way (``rollback_ways``).
 
 Tokens per second count the tokens after the first (the first comes from the prompt pass, the same for
 every candidate) over the seconds from the first token to the last, greedy. Candidates are run
-interleaved (each prompt of each repeat is decoded by every candidate in turn) so that a change of
+interleaved (each prompt of each repeat is decoded by every candidate in turn, in a rotating order) so that a change of
 machine load hits them alike; each candidate's figure is the median over repeats of its tokens /
 seconds over the suite.
 """
@@ -115,7 +115,9 @@ def runtime_decoder(model):
 def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens: int,
                repeats: int, label: str = "measure", setup=None) -> dict[str, Result]:
     """Measure each candidate, interleaved, with a progress bar on stderr (phases ``LABEL: warm-up``,
-    ``LABEL: decode``; the candidate and repeat as its postfix).
+    ``LABEL: decode``; the candidate and repeat as its postfix). The order of the candidates rotates by one at each
+    prompt of each repeat, so that each takes every place in the order alike (a run's speed depends on the run
+    before it on some machines).
 
     Args:
         decode: ``decode(prompt, max_tokens, depth)`` → iterator of greedy token ids.
@@ -141,10 +143,13 @@ def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens
             _timed(decode(prompts[0], 8, depth))
             progress.update()
         progress.set_description(f"{label}: decode")
+        order = list(depths)
         for repeat in range(repeats):
             tokens, seconds = dict.fromkeys(depths, 0.0), dict.fromkeys(depths, 0.0)
-            for prompt in prompts:
-                for name, depth in depths.items():
+            for i, prompt in enumerate(prompts):
+                shift = (repeat * len(prompts) + i) % len(order)
+                for name in order[shift:] + order[:shift]:
+                    depth = depths[name]
                     progress.set_postfix_str(f"{name}, run {repeat + 1}/{repeats}")
                     setup(name)
                     n, s = _timed(decode(prompt, max_tokens, depth))
