@@ -447,7 +447,9 @@ def test_sampled_generation_parks_drafts_that_cannot_pay(tmp_path):
     """A sampled generation with the automatic depth: an untrained head on the trained trunk soon decodes plain, and
     a seed fixes the tokens (the same twice, the same as with the trained head at the automatic depth and at depth 2:
     they do not depend on the drafts). The trained head's acceptance is read at depth 2 (the automatic depth decides
-    by the clock, and may draft from the context or step plain)."""
+    by the clock, and may draft from the context or step plain). At temperature 0.3 the untrained head's drafts are
+    accepted about 4 % of the time, which pays on no machine; at 0.8 the trunk's flat distribution accepts about 16 %,
+    which a machine with cheap verify passes may rightly draft for."""
     generate_step = importlib.import_module("mlx_lm.generate").generate_step
     tokens, stats = [], []
     for path in (_untrained_head_on_the_trained_trunk(tmp_path / "random-head"), TINY / "hf"):
@@ -455,7 +457,7 @@ def test_sampled_generation_parks_drafts_that_cannot_pay(tmp_path):
         prompt = mx.array(load_tokenizer(path).encode("def read_config(path):\n    with open(path) as f:\n"))
         for options in ({}, {}, {"mtp_depth": 2, "mtp_lookup": False}):
             mx.random.seed(11)
-            tokens.append([t for t, _ in generate_step(prompt, model, max_tokens=72, sampler=make_sampler(0.8),
+            tokens.append([t for t, _ in generate_step(prompt, model, max_tokens=72, sampler=make_sampler(0.3),
                                                        **options)])
             stats.append(model.mtp_head.stats)
     random_automatic, random_depth2, trained_depth2 = stats[1], stats[2], stats[5]
@@ -470,7 +472,7 @@ def test_sampled_generation_parks_drafts_that_cannot_pay_in_mlx_vlm(tmp_path):
     generate_step = importlib.import_module("mlx_vlm.generate").generate_step
     model = vlm_load(_untrained_head_on_the_trained_trunk(tmp_path / "random-head"))
     prompt = mx.array([load_tokenizer(TINY / "hf").encode("def read_config(path):\n    with open(path) as f:\n")])
-    runs = [[t for t, _ in generate_step(prompt, model, None, None, max_tokens=72, temperature=0.8, seed=3)]
+    runs = [[t for t, _ in generate_step(prompt, model, None, None, max_tokens=72, temperature=0.3, seed=3)]
             for _ in range(2)]
     assert runs[0] == runs[1] and model.mtp_head.stats.plain > 0, model.mtp_head.stats
 
