@@ -26,7 +26,7 @@ from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH
 from mtp_plugin.drafter import Drafter, PendingPairs
 from mtp_plugin.health import HeadHealth
 from mtp_plugin.lockstep import NONE, Lockstep, LockstepError, group_of
-from mtp_plugin.lookup import lookup_policy
+from mtp_plugin.lookup import FirstDraftPrior, lookup_policy, sampled_prior
 from mtp_plugin.options import command_line
 from mtp_plugin.plugins import hook
 from mtp_plugin.scheduler import CostTable, Decision, RowState, costs_of, plan, pricing
@@ -71,6 +71,7 @@ class BatchContext:
     store: OrderedDict = field(default_factory=OrderedDict)  # tokens -> head of a finished request (``remember``)
     lockstep: Lockstep | None = None  # a model sharded over ranks: rank 0 chooses the depth (``lockstep.py``)
     costs: CostTable | None = None  # the model's verify costs per batch size (``scheduler.costs_of``)
+    lookup_prior: FirstDraftPrior | None = None  # sampled rows' lookup prior (``lookup.sampled_prior``)
     failed: str | None = None  # why batched MTP stopped after a fault of the plugin's (then every batch is stock)
     cycles: int = 0  # batched passes: cycles and plain steps
     row_cycles: int = 0  # rows × passes
@@ -167,7 +168,7 @@ def batching_model(model) -> BatchingModel | None:
     if ctx is None:
         start = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
         ctx = loaded.batching = BatchContext(trunk, BatchDrafter(trunk, loaded.module), loaded.health, start,
-                                             costs=costs_of(model))
+                                             costs=costs_of(model), lookup_prior=sampled_prior(model))
         group = group_of(model)
         ctx.lockstep = None if group is None else Lockstep(group)
     if ctx.lockstep is not None:  # every rank batches with MTP here; the ranks' draft vocabularies must match
@@ -200,7 +201,8 @@ def headless_context(model) -> BatchContext | None:
     ctx = getattr(model, "mtp_lookup_batching", None)
     if ctx is None or ctx.failed:
         trunk = LogitsTrunk(model)
-        ctx = BatchContext(trunk, BatchDrafter(trunk, None), HeadHealth("no head"), PLAIN, costs=costs_of(model))
+        ctx = BatchContext(trunk, BatchDrafter(trunk, None), HeadHealth("no head"), PLAIN, costs=costs_of(model),
+                           lookup_prior=sampled_prior(model))
         model.mtp_lookup_batching = ctx
     ctx.options.clear()
     ctx.heads.clear()
@@ -625,7 +627,7 @@ def _row(ctx: BatchContext, uid: int, last: int, carry, sampler, processors, tok
     headless = ctx.drafter.head is None
     lookup = None
     if wanted and sampling is not False:
-        lookup = lookup_policy(asked.lookup, headless)
+        lookup = lookup_policy(asked.lookup, headless, ctx.lookup_prior if sampling is not None else None)
         if lookup is not None:
             lookup.index.extend([*tokens, last])
     if not wanted or sampling is False:

@@ -25,7 +25,7 @@ import sys
 
 from mtp_plugin.decoding import MAX_DEPTH
 from mtp_plugin.lockstep import Lockstep, group_of
-from mtp_plugin.lookup import MAX_LOOKUP, lookup_policy
+from mtp_plugin.lookup import MAX_LOOKUP, lookup_policy, sampled_prior
 from mtp_plugin.options import MTPOptions, command_line, resolve, set_command_line
 from mtp_plugin.plugins import hook
 from mtp_plugin.scheduler import costs_of
@@ -70,7 +70,8 @@ def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured
     cache = kwargs["prompt_cache"]
     cache = make_prompt_cache(model, max_kv_size=kwargs["max_kv_size"]) if cache is None else cache
     max_tokens = kwargs["max_tokens"]
-    lookup = lookup_policy(lookup, loaded is None)
+    sampled = sampler is not None and SAMPLINGS[sampler] is not None
+    lookup = lookup_policy(lookup, loaded is None, sampled_prior(model) if sampled else None)
     if loaded is None and (lookup is None or not (captured or all(c.is_trimmable() for c in cache))):
         return None
     for c in cache:

@@ -32,7 +32,7 @@ import types
 
 import mlx.core as mx
 
-from mtp_plugin.lookup import lookup_policy
+from mtp_plugin.lookup import lookup_policy, sampled_prior
 from mtp_plugin.options import resolve
 from mtp_plugin.plugins import hook
 from mtp_plugin.scheduler import costs_of
@@ -186,7 +186,7 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, position
         "one_pass": not chunked,
         "prompt_progress_callback": prefill_bar() if chunked and args.get("verbose") else None,
         "stats": loaded.stats,
-        "lookup": lookup_policy(lookup, False),
+        "lookup": lookup_policy(lookup, False, None if sampled is None else sampled_prior(model.language_model)),
         "costs": costs_of(model.language_model).of(1),
         # a trunk without multimodal positions (Qwen3-Next) takes text only: its plain token pass is mlx-vlm's own
         "prompt_inputs": prompt_inputs(model, args, extra) if multimodal(model) else None,

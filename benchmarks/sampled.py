@@ -1,14 +1,16 @@
 """Sampled decoding beside greedy: tokens/s of plain decoding, fixed draft depths (the head alone) and the default
 (adaptive depth, lookup drafts on), greedy and at each temperature asked.
 
-    python benchmarks/sampled.py --model build/deep48 [--dtype bfloat16] [--temperatures 0.7,1.0] [--max-tokens 96]
-        [--repeats 3] [--out benchmarks/results]
+    python benchmarks/sampled.py --model build/deep48 [--dtype bfloat16] [--temperatures 0,0.7,1.0] [--max-tokens 96]
+        [--repeats 3] [--prompts 3] [--candidates "plain,depth 2,depth 3,default"] [--out benchmarks/results]
 
 Candidates are decoded through mlx-lm's ``generate_step`` as patched, interleaved (``measure.candidates``), on the code
 suite (``measure.code_prompts``). Sampled runs are paired: the n-th run of a prompt takes seed n for every candidate.
-Each figure is the median over repeats, ``x plain`` the median of the per-repeat ratios, and ``default / best fixed``
-the default's median ratio over that of the fastest fixed depth. Every MTP candidate must decode the same tokens for
-a seed (greedy: plain decoding's tokens), whatever it drafts: a run that does not stops the benchmark.
+Each figure is the median over repeats, ``x plain`` the median of the per-repeat ratios, ``default / best fixed``
+the default's median ratio over that of the fastest fixed depth, and ``default / depth d`` the median of the
+per-repeat ratios of the two (paired: free of the upward bias of "the fastest", a maximum of noisy figures). Every MTP
+candidate must decode the same tokens for a seed (greedy: plain decoding's tokens), whatever it drafts: a run that
+does not stops the benchmark.
 """
 
 import argparse
@@ -30,11 +32,12 @@ from mtp_plugin.commands.bench import DTYPES, cast
 REPO = Path(__file__).resolve().parents[1]
 FIXED = (1, 2, 3)
 CANDIDATES = {"plain": {"enable_mtp": False}, **{f"depth {d}": {"mtp_depth": d, "mtp_lookup": False} for d in FIXED},
-              "default": {}}
+              "default": {}, "no lookup": {"mtp_lookup": False}}
 
 
-def run(model, prompts: list[list[int]], max_tokens: int, repeats: int, temperature: float) -> dict:
-    """``measure.Result`` per candidate at ``temperature`` (0: greedy).
+def run(model, prompts: list[list[int]], max_tokens: int, repeats: int, temperature: float,
+        chosen: list[str]) -> dict:
+    """``measure.Result`` per candidate named in ``chosen`` (plain among them) at ``temperature`` (0: greedy).
 
     Raises:
         SystemExit: an MTP candidate decoded other tokens than the others for a prompt and seed.
@@ -57,14 +60,14 @@ def run(model, prompts: list[list[int]], max_tokens: int, repeats: int, temperat
                 raise SystemExit(f"{name} decoded other tokens than the other candidates for the same seed: a bug, "
                                  "please report it")
 
-    names = {name: (None if name == "plain" else name) for name in CANDIDATES}
+    names = {name: (None if name == "plain" else name) for name in chosen}
     label = f"sampled bench: T={temperature:g}" if temperature else "sampled bench: greedy"
     return measure.candidates(decode, lambda: model.mtp_head.stats, prompts, names, max_tokens, repeats, label)
 
 
 def table(results: dict) -> list[str]:
     """One line per candidate (tok/s, x plain, acceptance, tokens per cycle), then the default's ratio over the best
-    fixed depth's."""
+    fixed depth's and its paired ratio over each fixed depth's (where both ran)."""
     plain = results["plain"].runs
     ratios = {name: statistics.median(a / b for a, b in zip(r.runs, plain, strict=True))
               for name, r in results.items()}
@@ -76,8 +79,14 @@ def table(results: dict) -> list[str]:
         lookup = str(s.lookup_cycles) if s is not None else "-"
         lines.append(f"{name:<9} {r.tokens_per_second:7.1f}  {ratios[name]:7.3f}  {acceptance:>10}  {per_cycle:>9}  "
                      f"{lookup:>13}")
-    best = max((f"depth {d}" for d in FIXED), key=ratios.get)
+    fixed = [name for name in results if name.startswith("depth")]
+    if "default" not in results or not fixed:
+        return lines
+    best = max(fixed, key=ratios.get)
     lines.append(f"default / best fixed ({best}): {ratios['default'] / ratios[best]:.3f}")
+    for name in fixed:
+        paired = statistics.median(a / b for a, b in zip(results["default"].runs, results[name].runs, strict=True))
+        lines.append(f"default / {name} (paired): {paired:.3f}")
     return lines
 
 
@@ -86,18 +95,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--dtype", default="bfloat16", choices=[*DTYPES, "none"])
-    parser.add_argument("--temperatures", default="0.7,1.0", help="comma-separated, each > 0")
+    parser.add_argument("--temperatures", default="0,0.7,1.0", help="comma-separated, each >= 0 (0: greedy)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=3, help="prompts of the code suite used")
+    parser.add_argument("--candidates", default=",".join(CANDIDATES),
+                        help=f"comma-separated, among: {', '.join(CANDIDATES)} (plain always runs: the reference)")
     parser.add_argument("--out", type=Path, help="directory for the dated result file")
     args = parser.parse_args()
     try:
         temperatures = [float(t) for t in args.temperatures.split(",")]
     except ValueError:
         parser.error(f"--temperatures: not numbers: {args.temperatures}")
-    if args.max_tokens < 2 or args.repeats < 1 or args.prompts < 1 or min(temperatures) <= 0:
-        parser.error("--max-tokens must be >= 2, --repeats >= 1, --prompts >= 1 and every temperature > 0")
+    chosen = ["plain", *(name for name in args.candidates.split(",") if name != "plain")]
+    if args.max_tokens < 2 or args.repeats < 1 or args.prompts < 1 or min(temperatures) < 0:
+        parser.error("--max-tokens must be >= 2, --repeats >= 1, --prompts >= 1 and every temperature >= 0")
+    if unknown := set(chosen) - set(CANDIDATES):
+        parser.error(f"--candidates: unknown {', '.join(sorted(unknown))}; choose among {', '.join(CANDIDATES)}")
     model, tokenizer = load(str(args.model))
     if model.mtp_head is None:
         parser.exit(1, f"{args.model}: no usable MTP head\n")
@@ -111,10 +125,10 @@ def main() -> None:
              f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
              f"machine: {json.dumps(tuning.machine())}, {os.cpu_count()} CPUs",
              f"versions: {json.dumps(tuning.versions())}",
-             "candidates: plain (MTP off), depth d (the head alone at a fixed depth), default (adaptive depth, "
-             "lookup drafts on)"]
-    for temperature in [0.0, *temperatures]:
-        rows = table(run(model, prompts, args.max_tokens, args.repeats, temperature))
+             f"candidates: {', '.join(chosen)} (plain: MTP off; depth d: the head alone at a fixed depth; default: "
+             "adaptive depth, lookup drafts on; no lookup: adaptive depth, the head alone)"]
+    for temperature in temperatures:
+        rows = table(run(model, prompts, args.max_tokens, args.repeats, temperature, chosen))
         lines += ["", f"temperature {temperature:g}" if temperature else "greedy", *rows]
     text = "\n".join(lines) + "\n"
     print(text, end="")

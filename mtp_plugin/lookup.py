@@ -99,19 +99,56 @@ class LookupSettings:
             raise ValueError(f"LookupSettings: {'; '.join(bad)}")
 
 
+class FirstDraftPrior:
+    """The first prior of a model's sampled generations' lookup drafts: the acceptance of their first drafts in the
+    generations before, (accepted + weight·default) / (reached + weight), counts halved at each new generation, so that
+    a prior that stopped lookup drafts drifts back to ``default`` and a later generation tries them again.
+
+    Args:
+        default: the prior without evidence, in (0, 1).
+        weight: pseudo-cycles of ``default``, > 0.
+    """
+
+    def __init__(self, default: float = LookupSettings.first_prior, weight: float = 2.0):
+        self.default, self.weight = default, weight
+        self.reached = self.accepted = 0.0
+
+    def begin(self) -> float:
+        """A generation starts: fade the counts by half and return its first prior."""
+        self.reached, self.accepted = self.reached / 2, self.accepted / 2
+        return (self.accepted + self.weight * self.default) / (self.reached + self.weight)
+
+    def observe(self, accepted: int) -> None:
+        """A lookup cycle accepted ``accepted`` drafts (its first draft: accepted when > 0)."""
+        self.reached += 1
+        self.accepted += accepted > 0
+
+
+def sampled_prior(model) -> FirstDraftPrior:
+    """``model``'s ``FirstDraftPrior`` for sampled generations, made on first use and kept on the model
+    (``mtp_lookup_prior``)."""
+    prior = getattr(model, "mtp_lookup_prior", None)
+    if prior is None:
+        prior = model.mtp_lookup_prior = FirstDraftPrior()
+    return prior
+
+
 class LookupPolicy:
     """A generation's lookup drafts: its context's index, and the acceptance of its drafts so far, kept apart for each
     match length (a longer match predicts better).
 
     Args:
         settings: constants (``LookupSettings``).
+        prior: the model's ``FirstDraftPrior`` of its sampled generations, for a sampled generation with the default
+            settings: it gives the first prior in place of ``settings.first_prior`` and learns from this generation.
     """
 
-    def __init__(self, settings: LookupSettings | None = None):
+    def __init__(self, settings: LookupSettings | None = None, prior: FirstDraftPrior | None = None):
         self.settings = s = settings or LookupSettings()
+        self.prior = prior
+        first = s.first_prior if prior is None else prior.begin()
         self.index = ContextIndex(s.n_min, s.n_max)
-        self.chains = {n: Chain(s.max_len, s.first_prior, s.prior_weight, s.half_life)
-                       for n in range(s.n_min, s.n_max + 1)}
+        self.chains = {n: Chain(s.max_len, first, s.prior_weight, s.half_life) for n in range(s.n_min, s.n_max + 1)}
 
     def propose(self, room: int | None, behind: bool = False) -> tuple[tuple[int, ...], int, list[float]]:
         """The context's draft for the next cycle, at most ``room`` tokens (None: no limit): ``(drafts, match,
@@ -126,6 +163,8 @@ class LookupPolicy:
     def observe(self, n: int, length: int, accepted: int) -> None:
         """A lookup cycle ran: ``length`` drafts from a match of length ``n``, ``accepted`` of them accepted."""
         self.chains[n].observe(length, accepted)
+        if self.prior is not None:
+            self.prior.observe(accepted)
 
     def fade(self, tokens: int) -> None:
         """``tokens`` more tokens were committed (``scheduler.Chain.fade``)."""
@@ -133,13 +172,14 @@ class LookupPolicy:
             chain.fade(tokens)
 
 
-def lookup_policy(option, headless: bool) -> LookupPolicy | None:
+def lookup_policy(option, headless: bool, prior: FirstDraftPrior | None = None) -> LookupPolicy | None:
     """The loop's ``lookup`` for a generation's ``mtp_lookup`` option.
 
     Args:
         option: None (the default: on for a model with a head, off without one), True, False, or ``LookupSettings``
             (on, with these constants).
         headless: the model has no head that drafts.
+        prior: for a sampled generation, the model's ``sampled_prior``; used unless ``option`` sets the constants.
 
     Returns:
         a fresh ``LookupPolicy`` (its index is this generation's), or None: no lookup drafts.
@@ -152,4 +192,6 @@ def lookup_policy(option, headless: bool) -> LookupPolicy | None:
                          f"got {option!r}")
     if option is False or (option is None and headless):
         return None
-    return LookupPolicy(option if isinstance(option, LookupSettings) else None)
+    if isinstance(option, LookupSettings):
+        return LookupPolicy(option)
+    return LookupPolicy(None, prior)

@@ -10,7 +10,7 @@ import pytest
 from builders import KINDS, build_model, caches_after_close, config_for
 from mlx_lm import load
 from mlx_lm.models import llama
-from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mtp_plugin.lookup import ContextIndex, LookupSettings, lookup_policy
 from mtp_plugin.options import MTPOptions, command_line, resolve, set_command_line
@@ -123,6 +123,20 @@ def test_lookup_with_logits_processors_and_kv_quantization(bundled):
     plain = tokens(model, prompt, enable_mtp=False, **common)
     assert tokens(model, prompt, mtp_lookup=FORCED, **common) == plain
     assert model.mtp_head.stats.lookup_cycles > 0
+
+
+def test_sampled_generations_share_a_lookup_prior_and_greedy_ones_keep_theirs(bundled):
+    model, prompt = bundled
+    model.mtp_lookup_prior = None
+    tokens(model, prompt, max_tokens=24)
+    assert model.mtp_lookup_prior is None  # greedy: the static prior of LookupSettings
+    mx.random.seed(3)
+    sampled = tokens(model, prompt, max_tokens=48, sampler=make_sampler(0.8))
+    prior = model.mtp_lookup_prior
+    assert prior.reached == model.mtp_head.stats.lookup_cycles > 0
+    mx.random.seed(3)
+    assert tokens(model, prompt, max_tokens=48, sampler=make_sampler(0.8)) == sampled  # the prior drafts, never draws
+    assert model.mtp_lookup_prior is prior
 
 
 def test_lookup_off_drafts_from_the_head_only(bundled):

@@ -3,7 +3,7 @@ model (pure logic; the loops that call it are tested end to end in test_lookup, 
 
 import pytest
 
-from mtp_plugin.lookup import LookupPolicy, LookupSettings
+from mtp_plugin.lookup import FirstDraftPrior, LookupPolicy, LookupSettings, lookup_policy
 from mtp_plugin.scheduler import PLAIN_STEP, Ask, Chain, CostModel, Decision, RowState, plan, pricing
 
 CPU_BF16 = CostModel(0.43)  # a pass of k positions costs 1 + 0.43(k-1) plain steps (bf16 on a compute-bound CPU)
@@ -104,3 +104,19 @@ def test_estimates_fade_with_every_committed_token():
     for _ in range(40):
         state.observe(0, 0, 0)  # plain steps: the rejections age
     assert state.lookup.chains[2].expected(2)[-1] > rejected + 0.3
+
+
+def test_sampled_generations_learn_the_first_prior_of_lookup_drafts():
+    prior = FirstDraftPrior(0.6, weight=2.0)
+    first = LookupPolicy(prior=prior)
+    assert first.chains[2].expected(1) == pytest.approx([1.0, 1.6])  # no evidence yet: the default
+    for _ in range(6):
+        first.observe(2, 3, 0)  # every lookup draft of this generation rejected
+    later = [LookupPolicy(prior=prior).chains[3].expected(1)[1] - 1 for _ in range(4)]
+    assert later[0] < 0.25 and later == sorted(later) and later[-1] < 0.6  # low, drifting back towards the default
+    accepted = LookupPolicy(prior=prior)
+    for _ in range(12):
+        accepted.observe(4, 8, 8)
+    assert LookupPolicy(prior=prior).chains[4].expected(1)[1] - 1 > 0.75
+    own = lookup_policy(LookupSettings(first_prior=0.3), False, prior)  # constants the user set stay theirs
+    assert own.prior is None and own.chains[2].expected(1) == pytest.approx([1.0, 1.3])
