@@ -26,10 +26,10 @@ from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH
 from mtp_plugin.drafter import Drafter, PendingPairs
 from mtp_plugin.health import HeadHealth
 from mtp_plugin.lockstep import NONE, Lockstep, LockstepError, group_of
-from mtp_plugin.lookup import FirstDraftPrior, lookup_policy, sampled_prior
+from mtp_plugin.lookup import lookup_policy, sampled_prior
 from mtp_plugin.options import command_line
 from mtp_plugin.plugins import hook
-from mtp_plugin.scheduler import CostTable, Decision, RowState, costs_of, plan, pricing
+from mtp_plugin.scheduler import Chain, CostTable, Decision, RowState, costs_of, plan, pricing
 from mtp_plugin.stats import MTPStats
 from mtp_plugin.trunk import LogitsTrunk
 from mtp_plugin.tuning import start_depth
@@ -71,7 +71,7 @@ class BatchContext:
     store: OrderedDict = field(default_factory=OrderedDict)  # tokens -> head of a finished request (``remember``)
     lockstep: Lockstep | None = None  # a model sharded over ranks: rank 0 chooses the depth (``lockstep.py``)
     costs: CostTable | None = None  # the model's verify costs per batch size (``scheduler.costs_of``)
-    lookup_prior: FirstDraftPrior | None = None  # sampled rows' lookup prior (``lookup.sampled_prior``)
+    lookup_prior: Chain | None = None  # sampled rows' lookup prior (``lookup.sampled_prior``)
     failed: str | None = None  # why batched MTP stopped after a fault of the plugin's (then every batch is stock)
     cycles: int = 0  # batched passes: cycles and plain steps
     row_cycles: int = 0  # rows × passes

@@ -99,37 +99,14 @@ class LookupSettings:
             raise ValueError(f"LookupSettings: {'; '.join(bad)}")
 
 
-class FirstDraftPrior:
-    """The first prior of a model's sampled generations' lookup drafts: the acceptance of their first drafts in the
-    generations before, (accepted + weight·default) / (reached + weight), counts halved at each new generation, so that
-    a prior that stopped lookup drafts drifts back to ``default`` and a later generation tries them again.
-
-    Args:
-        default: the prior without evidence, in (0, 1).
-        weight: pseudo-cycles of ``default``, > 0.
-    """
-
-    def __init__(self, default: float = LookupSettings.first_prior, weight: float = 2.0):
-        self.default, self.weight = default, weight
-        self.reached = self.accepted = 0.0
-
-    def begin(self) -> float:
-        """A generation starts: fade the counts by half and return its first prior."""
-        self.reached, self.accepted = self.reached / 2, self.accepted / 2
-        return (self.accepted + self.weight * self.default) / (self.reached + self.weight)
-
-    def observe(self, accepted: int) -> None:
-        """A lookup cycle accepted ``accepted`` drafts (its first draft: accepted when > 0)."""
-        self.reached += 1
-        self.accepted += accepted > 0
-
-
-def sampled_prior(model) -> FirstDraftPrior:
-    """``model``'s ``FirstDraftPrior`` for sampled generations, made on first use and kept on the model
-    (``mtp_lookup_prior``)."""
+def sampled_prior(model) -> Chain:
+    """``model``'s first-draft acceptance of lookup drafts in its sampled generations (a one-draft ``Chain``: 2
+    pseudo-cycles at ``LookupSettings.first_prior``; counts halved at each generation's start, so that a prior that
+    stopped lookup drafts drifts back and a later generation tries them again), made on first use and kept on the
+    model (``mtp_lookup_prior``)."""
     prior = getattr(model, "mtp_lookup_prior", None)
     if prior is None:
-        prior = model.mtp_lookup_prior = FirstDraftPrior()
+        prior = model.mtp_lookup_prior = Chain(1, LookupSettings.first_prior, 2.0, half_life=1.0)
     return prior
 
 
@@ -139,14 +116,16 @@ class LookupPolicy:
 
     Args:
         settings: constants (``LookupSettings``).
-        prior: the model's ``FirstDraftPrior`` of its sampled generations, for a sampled generation with the default
-            settings: it gives the first prior in place of ``settings.first_prior`` and learns from this generation.
+        prior: for a sampled generation with the default settings, the model's ``sampled_prior``: its p_1, after a
+            generation's fade, replaces ``settings.first_prior``, and it learns from this generation's lookup cycles.
     """
 
-    def __init__(self, settings: LookupSettings | None = None, prior: FirstDraftPrior | None = None):
+    def __init__(self, settings: LookupSettings | None = None, prior: Chain | None = None):
         self.settings = s = settings or LookupSettings()
         self.prior = prior
-        first = s.first_prior if prior is None else prior.begin()
+        if prior is not None:
+            prior.fade(1)  # a generation starts: the earlier ones' evidence weighs half
+        first = s.first_prior if prior is None else prior.expected(1)[1] - 1
         self.index = ContextIndex(s.n_min, s.n_max)
         self.chains = {n: Chain(s.max_len, first, s.prior_weight, s.half_life) for n in range(s.n_min, s.n_max + 1)}
 
@@ -164,7 +143,7 @@ class LookupPolicy:
         """A lookup cycle ran: ``length`` drafts from a match of length ``n``, ``accepted`` of them accepted."""
         self.chains[n].observe(length, accepted)
         if self.prior is not None:
-            self.prior.observe(accepted)
+            self.prior.observe(length, accepted)
 
     def fade(self, tokens: int) -> None:
         """``tokens`` more tokens were committed (``scheduler.Chain.fade``)."""
@@ -172,7 +151,7 @@ class LookupPolicy:
             chain.fade(tokens)
 
 
-def lookup_policy(option, headless: bool, prior: FirstDraftPrior | None = None) -> LookupPolicy | None:
+def lookup_policy(option, headless: bool, prior: Chain | None = None) -> LookupPolicy | None:
     """The loop's ``lookup`` for a generation's ``mtp_lookup`` option.
 
     Args:
