@@ -7,10 +7,10 @@
 Candidates are decoded through mlx-lm's ``generate_step`` as patched, interleaved (``measure.candidates``), on the code
 suite (``measure.code_prompts``). Sampled runs are paired: the n-th run of a prompt takes seed n for every candidate.
 Each figure is the median over repeats, ``x plain`` the median of the per-repeat ratios, ``default / best fixed``
-the default's median ratio over that of the fastest fixed depth, and ``default / depth d`` the median of the
-per-repeat ratios of the two (paired: free of the upward bias of "the fastest", a maximum of noisy figures). Every MTP
-candidate must decode the same tokens for a seed (greedy: plain decoding's tokens), whatever it drafts: a run that
-does not stops the benchmark.
+the default's median ratio over that of the fastest fixed depth, and ``default / depth d`` the median (and quartiles)
+of the two's ratios generation by generation (paired: the same prompt and seed, run one after the other; free of the
+upward bias of "the fastest", a maximum of noisy figures). Every MTP candidate must decode the same tokens for a seed
+(greedy: plain decoding's tokens), whatever it drafts: a run that does not stops the benchmark.
 """
 
 import argparse
@@ -67,7 +67,7 @@ def run(model, prompts: list[list[int]], max_tokens: int, repeats: int, temperat
 
 def table(results: dict) -> list[str]:
     """One line per candidate (tok/s, x plain, acceptance, tokens per cycle), then the default's ratio over the best
-    fixed depth's and its paired ratio over each fixed depth's (where both ran)."""
+    fixed depth's and its paired ratios over each fixed depth's, generation by generation (where both ran)."""
     plain = results["plain"].runs
     ratios = {name: statistics.median(a / b for a, b in zip(r.runs, plain, strict=True))
               for name, r in results.items()}
@@ -85,8 +85,10 @@ def table(results: dict) -> list[str]:
     best = max(fixed, key=ratios.get)
     lines.append(f"default / best fixed ({best}): {ratios['default'] / ratios[best]:.3f}")
     for name in fixed:
-        paired = statistics.median(a / b for a, b in zip(results["default"].runs, results[name].runs, strict=True))
-        lines.append(f"default / {name} (paired): {paired:.3f}")
+        paired = [a / b for a, b in zip(results["default"].generations, results[name].generations, strict=True)]
+        low, median, high = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+        lines.append(f"default / {name} (paired, {len(paired)} generations): median {median:.3f}, "
+                     f"quartiles {low:.3f}-{high:.3f}")
     return lines
 
 

@@ -72,12 +72,14 @@ class Result:
         name: ``plain``, ``depth N`` or ``adaptive``.
         tokens_per_second: median over repeats.
         runs: tokens per second of each repeat.
+        generations: tokens per second of each generation, repeat by repeat, prompt by prompt.
         stats: MTP counters summed over every run (None for plain decoding).
     """
 
     name: str
     tokens_per_second: float
     runs: list[float]
+    generations: list[float]
     stats: MTPStats | None
 
 
@@ -134,6 +136,7 @@ def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens
         name → Result, in the order of ``depths``.
     """
     runs: dict[str, list[float]] = {name: [] for name in depths}
+    generations: dict[str, list[float]] = {name: [] for name in depths}
     totals: dict[str, MTPStats | None] = dict.fromkeys(depths)
     setup = setup or (lambda name: None)
     with tqdm(total=len(depths) * (1 + repeats * len(prompts)), desc=f"{label}: warm-up", unit="run") as progress:
@@ -155,12 +158,14 @@ def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens
                     n, s = _timed(decode(prompt, max_tokens, depth))
                     progress.update()
                     tokens[name], seconds[name] = tokens[name] + n, seconds[name] + s
+                    generations[name].append(n / s)
                     if depth is not None and stats() is not None:
                         totals[name] = totals[name] or MTPStats(depth or None)
                         totals[name].add(stats())
             for name in depths:
                 runs[name].append(tokens[name] / seconds[name])
-    return {name: Result(name, statistics.median(runs[name]), runs[name], totals[name]) for name in depths}
+    return {name: Result(name, statistics.median(runs[name]), runs[name], generations[name], totals[name])
+            for name in depths}
 
 
 class _Warm:
