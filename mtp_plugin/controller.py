@@ -5,10 +5,12 @@ Model. A cycle at draft depth d runs d head steps and one verify pass of d+1 tok
 token per t(1) seconds. The controller chooses, among plain decoding and depths 1..max, the highest rate E(d) / c(d)
 (1 / t(1) for plain).
 
-Estimates. c(d) and t(1): the median of a depth's last ``window`` measurements; for a depth not yet measured, a
-straight line in d through the measured ones (plain decoding is the point d = 0). E(d): the tokens per cycle the
-depth actually gave (decayed counts with a half-life in emitted tokens), shrunk towards the chain model of
-Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", §3.1,
+Estimates. c(d) and t(1), in units of the choice's cost: the median of a depth's last ``window`` measurements, each
+its seconds over the median seconds of the choice's latest cycles (so that depths measured at different times compare
+as if measured together on a machine whose speed drifts); for a depth not yet measured, a straight line in d through
+the measured ones (plain decoding is the point d = 0). E(d): the tokens per cycle the depth actually gave (decayed
+counts with a half-life in emitted tokens), shrunk towards the chain model of Leviathan et al. 2023, "Fast Inference
+from Transformers via Speculative Decoding", §3.1,
 
     E(d) = 1 + p1 + p1·p2 + … + p1·p2⋯pd,
 
@@ -60,6 +62,7 @@ class Settings:
         realized_half_life: emitted tokens after which the tokens per cycle a depth gave weigh half (longer than
             ``half_life``: a depth other than the choice runs only in exploration blocks).
         window: measurements per depth whose median is its cost.
+        reference: the choice's latest cycles whose median seconds make the cost unit.
         block: cycles run at a depth (the choice, or one being explored) before the next decision.
         explore_every: emitted tokens between exploration rounds (doubled while rounds confirm the choice).
         max_explore_every: the longest interval between exploration rounds, in tokens.
@@ -75,6 +78,7 @@ class Settings:
     realized_prior: float = 16.0
     realized_half_life: float = 512.0
     window: int = 32
+    reference: int = 16
     block: int = 8
     explore_every: int = 384
     max_explore_every: int = 1024
@@ -118,7 +122,8 @@ class DepthController:
         self.accepted = [0.0] * n  # index k: decayed count of cycles that accepted draft k
         self.tokens = [0.0] * n  # index d: decayed tokens emitted by cycles at depth d
         self.cycles = [0.0] * n  # index d: decayed cycles at depth d
-        self.costs = [deque(maxlen=s.window) for _ in range(n)]  # index 0: plain, seconds/token
+        self.costs = [deque(maxlen=s.window) for _ in range(n)]  # index 0: plain; in units of the choice's cost
+        self.recent: deque = deque(maxlen=s.reference)  # seconds of the choice's latest cycles
         self.cycles_at, self.tokens_at, self.explored_at = [0] * n, [0] * n, [0] * n
         self.choice = self.running = start  # the depth chosen; what next_depth() returns until the next decision
         self.hold = s.block  # cycles to issue before the next decision
@@ -152,8 +157,8 @@ class DepthController:
         return (self.tokens[depth] + prior * self.chain_tokens(depth)) / (self.cycles[depth] + prior)
 
     def cost(self, depth: int) -> float | None:
-        """Seconds per cycle at ``depth`` (PLAIN: per plain token): measured median, else a line in d through
-        the measured depths; None when nothing is measured."""
+        """Cost of a cycle at ``depth`` (PLAIN: of a plain token) in units of the choice's (``unit`` seconds):
+        measured median, else a line in d through the measured depths; None when nothing is measured."""
         if self.costs[depth]:
             return statistics.median(self.costs[depth])
         points = [(d, statistics.median(c)) for d, c in enumerate(self.costs) if c]
@@ -169,18 +174,25 @@ class DepthController:
         slope = max(slope, 0.0)
         return max(mean_c + slope * (depth - mean_d), min(c for _, c in points))
 
+    def unit(self) -> float | None:
+        """Seconds a cost unit takes now: the median of the choice's latest cycles; None before any cycle."""
+        return statistics.median(self.recent) if self.recent else None
+
     def rate(self, depth: int) -> float | None:
-        """Predicted tokens per second at ``depth`` (PLAIN: plain decoding), or None if no cost is known."""
+        """Predicted tokens per unit of cost at ``depth`` (PLAIN: plain decoding), or None if no cost is known."""
         c = self.cost(depth)
         return None if c is None else self.expected_tokens(depth) / c
 
     def report(self) -> dict:
         """What the controller did and decided on: per depth that ran, ``cycles``, ``tokens``, ``explored``
         (cycles asked for in exploration blocks), and its ``tokens_per_cycle`` estimate, ``cost`` (seconds) and
-        ``rate`` (tokens/s); the ``choice``, ``switches`` and exploration ``rounds``."""
-        depths = {d: {"cycles": self.cycles_at[d], "tokens": self.tokens_at[d], "explored": self.explored_at[d],
-                      "tokens_per_cycle": self.expected_tokens(d), "cost": self.cost(d), "rate": self.rate(d)}
-                  for d in range(self.settings.max_depth + 1) if self.cycles_at[d]}
+        ``rate`` (tokens/s) at the machine's present speed; the ``choice``, ``switches`` and exploration ``rounds``."""
+        unit, depths = self.unit(), {}
+        for d in (d for d in range(self.settings.max_depth + 1) if self.cycles_at[d]):
+            cost = None if unit is None or self.cost(d) is None else self.cost(d) * unit
+            depths[d] = {"cycles": self.cycles_at[d], "tokens": self.tokens_at[d], "explored": self.explored_at[d],
+                         "tokens_per_cycle": self.expected_tokens(d), "cost": cost,
+                         "rate": None if cost is None else self.expected_tokens(d) / cost}
         return {"depths": depths, "choice": self.choice, "switches": self.switches, "rounds": self.rounds}
 
     # Loop interface --------------------------------------------------------------------------------
@@ -218,7 +230,11 @@ class DepthController:
         self.cycles[depth] += 1
         self.cycles_at[depth] += 1
         self.tokens_at[depth] += emitted
-        self.costs[depth].append(max(seconds, MIN_SECONDS))
+        seconds = max(seconds, MIN_SECONDS)
+        if depth == self.choice:
+            self.recent.append(seconds)
+        if self.recent:  # else nothing to compare with yet (a plain step the loop ran before the choice ran)
+            self.costs[depth].append(seconds / self.unit())
         self.since += emitted
 
     # Decisions -------------------------------------------------------------------------------------
@@ -241,6 +257,7 @@ class DepthController:
         best = max(sorted(rates), key=rates.get)
         if best != self.choice and rates[best] > rates[self.choice] * (1 + s.margin):
             self.switches += 1
+            self._rebase(self.cost(best))
             self.choice, self.interval = best, s.explore_every
             self.queue = [d for d in self._neighbours() if not self.costs[d]]  # a new neighbourhood
         elif self.confirming and all(rates[d] < rates[self.choice] * (1 - s.margin) for d in self._neighbours()
@@ -250,6 +267,16 @@ class DepthController:
             self.interval = s.max_explore_every
         self.confirming = False
         self.running, self.hold = self.choice, s.block
+
+    def _rebase(self, ratio: float) -> None:
+        """Make the cost unit a depth that costs ``ratio`` of the present unit (the new choice's cost)."""
+        recent = [v * ratio for v in self.recent]  # what the new choice would have taken
+        self.recent.clear()
+        self.recent.extend(recent)
+        for window in self.costs:
+            values = [v / ratio for v in window]
+            window.clear()
+            window.extend(values)
 
     def _neighbours(self) -> list[int]:
         """d-1 and d+1 within 1..max_depth, and plain, around the choice."""
