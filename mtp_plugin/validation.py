@@ -223,10 +223,14 @@ def _unknown_problems(location: HeadLocation, unknown: list[str], expected: dict
 
 
 def _nonfinite(weights: dict, location: HeadLocation) -> list[str]:
-    floats = {k: v for k, v in weights.items() if mx.issubdtype(v.dtype, mx.floating)}
-    flags = {k: mx.isfinite(v).all() for k, v in floats.items()}
-    mx.eval(list(flags.values()))
-    bad = sorted(k for k, f in flags.items() if not f.item())
+    """A problem per float tensor holding NaN or Inf; every tensor is read (evaluated) here, all in one evaluation.
+
+    A tensor whose sum is finite holds neither (NaN and ±Inf propagate into a sum); only one whose sum is not (an
+    overflow, or a bad entry) is checked entry by entry, so no temporary as large as a tensor is made."""
+    totals = {k: v.sum() for k, v in weights.items() if mx.issubdtype(v.dtype, mx.floating)}
+    mx.eval(list(weights.values()), list(totals.values()))
+    bad = sorted(k for k, total in totals.items() if not mx.isfinite(total).item()
+                 and not mx.isfinite(weights[k]).all().item())
     files = ", ".join(map(str, location.files))
     return [(f"{location.tensors[k].file}: {location.tensors[k].name}" if k in location.tensors else f"{files}: {k}")
             + ": non-finite values (NaN or Inf); the file is corrupt: re-download or re-extract the head" for k in bad]

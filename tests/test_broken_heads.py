@@ -81,6 +81,16 @@ def test_nonfinite_head_weights_refused_by_name(tmp_path, tiny, caplog, name, va
     refused(path, caplog, [str(path / "mtp.safetensors"), f"mtp.{name}", "non-finite"])
 
 
+def test_finite_weights_whose_sum_overflows_load(tmp_path, tiny):
+    """The check reads each tensor's sum; a sum that overflows (finite entries near the dtype's maximum) sends the
+    tensor to the entry-by-entry check, which finds nothing wrong."""
+    config, _, weights, head, _ = tiny
+    big = mx.full(head["fc.weight"].shape, 3e38, dtype=mx.float32).astype(head["fc.weight"].dtype)
+    assert not mx.isfinite(big.sum()).item() and mx.isfinite(big).all().item()
+    path = save_checkpoint(tmp_path / "m", config, weights, {**head, "fc.weight": big}, "mtp.safetensors")
+    assert lm_load(path).mtp_head is not None
+
+
 def test_nonfinite_head_refused_by_mlx_vlm(tmp_path, tiny, caplog):
     _, _, _, _, _ = tiny
     config = config_for("qwen3_5", vision=True)

@@ -1,0 +1,102 @@
+"""Random-weight checkpoints at the shapes users run, built on demand into a cache directory (never committed).
+
+    python benchmarks/real_shapes.py [--shape NAME ...] [--cache DIR] [--force]
+
+Each is a converted MLX checkpoint as ``mlx_lm.convert`` writes one (mlx-lm's own model class, ``quantize_model``
+and ``save_model``: sharded, with an index) that kept its head: the MTP head, built by the family's
+``mtp_build_head``, under ``mtp.*`` in the last shard beside trunk layers. Weights are MLX's initializers' draws,
+so acceptance means nothing here; memory and time do. Shapes (``SHAPES``) follow the published configs' widths with
+fewer trunk layers where the full depth would not fit this machine. Prints each checkpoint's directory; exit status
+2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+
+from mtp_plugin.plugins import hook
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtp_plugin" / "real_shapes"
+ROPE = {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+VOCAB = 248320
+GDN = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16)
+COMMON = dict(head_dim=256, vocab_size=VOCAB, full_attention_interval=4, rms_norm_eps=1e-6, rope_parameters=ROPE,
+              max_position_embeddings=262144, mtp_num_hidden_layers=1, attn_output_gate=True, **GDN)
+SHAPES = {
+    "qwen3_5-2b": dict(kind="qwen3_5", bits=None, text=dict(
+        hidden_size=2048, num_hidden_layers=24, intermediate_size=6144, num_attention_heads=8, num_key_value_heads=2,
+        linear_num_value_heads=16, tie_word_embeddings=True)),
+    "qwen3_5-9b-4bit": dict(kind="qwen3_5", bits=4, text=dict(
+        hidden_size=4096, num_hidden_layers=32, intermediate_size=12288, num_attention_heads=16,
+        num_key_value_heads=4, linear_num_value_heads=32, tie_word_embeddings=False)),
+    "qwen3_6-27b-4layers": dict(kind="qwen3_5", bits=None, text=dict(
+        hidden_size=5120, num_hidden_layers=4, intermediate_size=17408, num_attention_heads=24,
+        num_key_value_heads=4, linear_num_value_heads=48, tie_word_embeddings=False)),
+    "qwen3_5-35b-a3b-4layers-4bit": dict(kind="qwen3_5_moe", bits=4, text=dict(
+        hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2,
+        linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, decoder_sparse_step=1, tie_word_embeddings=False)),
+}
+
+
+def config_of(name: str) -> dict:
+    """config.json of shape ``name`` before quantization (KeyError: an unknown shape)."""
+    shape = SHAPES[name]
+    text = dict(COMMON, model_type=f"{shape['kind']}_text", **shape["text"])
+    return dict(model_type=shape["kind"], text_config=text, tie_word_embeddings=text["tie_word_embeddings"])
+
+
+def build(name: str, out: Path) -> Path:
+    """Write shape ``name`` to ``out`` (through a temporary directory beside it, renamed when complete); ``out``."""
+    config = config_of(name)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))  # lazy: nothing is drawn until a shard is written
+    head = hook().mtp_build_head(model=model, config=config)
+    model.set_dtype(mx.bfloat16)
+    head.set_dtype(mx.bfloat16)
+    bits = SHAPES[name]["bits"]
+    if bits:
+        model, config = quantize_model(model, config, 64, bits)
+        quantize_model(head, {}, 64, bits)
+    model.mtp = head  # saved under mtp.*, after the trunk: in the last shard
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tmp.chmod(0o755)  # as a directory made by mkdir, not mkdtemp's owner-only
+    try:
+        save_model(tmp, model, donate_model=True)
+        save_config(config, tmp / "config.json")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def ensure(name: str, cache: Path = CACHE, force: bool = False) -> Path:
+    """The checkpoint of shape ``name`` in ``cache``, built if absent (or with ``force``)."""
+    out = cache / name
+    if force or not (out / "config.json").exists():
+        build(name, out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", action="append", choices=list(SHAPES), help="repeatable; default: every shape")
+    parser.add_argument("--cache", type=Path, default=CACHE)
+    parser.add_argument("--force", action="store_true", help="rebuild checkpoints already in the cache")
+    args = parser.parse_args()
+    for name in args.shape or SHAPES:
+        print(ensure(name, args.cache, args.force))
+
+
+if __name__ == "__main__":
+    main()
