@@ -13,8 +13,10 @@ fewer trunk layers where the full depth would not fit this machine. Prints each 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -64,10 +66,13 @@ def build(name: str, out: Path) -> Path:
     head.set_dtype(mx.bfloat16)
     bits = SHAPES[name]["bits"]
     if bits:
-        model, config = quantize_model(model, config, 64, bits)
-        quantize_model(head, {}, 64, bits)
+        with contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout lists the checkpoints
+            model, config = quantize_model(model, config, 64, bits)
+            quantize_model(head, {}, 64, bits)
     model.mtp = head  # saved under mtp.*, after the trunk: in the last shard
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}-*"):  # left by a build that was killed
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     tmp.chmod(0o755)  # as a directory made by mkdir, not mkdtemp's owner-only
     try:

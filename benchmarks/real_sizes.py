@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,8 +73,14 @@ def measure_loads(model_dir: Path, repeats: int, bar) -> dict[str, dict[str, flo
 
 
 def lines_of(name: str, figures: dict[str, dict[str, float]]) -> list[str]:
-    """The result lines of one shape."""
+    """The result lines of one shape.
+
+    Raises:
+        SystemExit: the plugin loaded no head (the figures would not be the head's).
+    """
     stock, plugin = figures["stock"], figures["plugin"]
+    if not plugin["head"]:
+        raise SystemExit(f"{name}: the plugin loaded no head (see its warning above); nothing to compare")
     head, t0, t1 = plugin["head"] / GB, stock["seconds"], plugin["seconds"]
     return [f"{name}: head {head:.3f} GB as loaded",
             f"  load seconds      stock {t0:7.2f}  plugin {t1:7.2f}  ratio {t1 / t0:.3f}  over stock {t1 - t0:+.2f} s",
@@ -103,6 +110,7 @@ def main() -> None:
         for name in shapes:
             bar.set_postfix_str(f"{name}: building")
             model_dir = real_shapes.ensure(name, args.cache)
+            mx.clear_cache()  # what building left in MLX's buffer cache is not held while the loads are timed
             lines += lines_of(name, measure_loads(model_dir, args.repeats, bar))
     text = "\n".join(lines) + "\n"
     print(text, end="")

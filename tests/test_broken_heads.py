@@ -81,6 +81,14 @@ def test_nonfinite_head_weights_refused_by_name(tmp_path, tiny, caplog, name, va
     refused(path, caplog, [str(path / "mtp.safetensors"), f"mtp.{name}", "non-finite"])
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bfloat16", "float16"])
+def test_nonfinite_half_precision_head_refused(tmp_path, tiny, caplog, dtype):
+    config, _, weights, head, _ = tiny
+    half = {k: v.astype(dtype) for k, v in head.items()}
+    path = save_checkpoint(tmp_path / "m", config, weights, poisoned(half, "fc.weight", np.nan), "mtp.safetensors")
+    refused(path, caplog, [str(path / "mtp.safetensors"), "mtp.fc.weight", "non-finite"])
+
+
 def test_finite_weights_whose_sum_overflows_load(tmp_path, tiny):
     """The check reads each tensor's sum; a sum that overflows (finite entries near the dtype's maximum) sends the
     tensor to the entry-by-entry check, which finds nothing wrong."""
