@@ -7,10 +7,11 @@ token per t(1) seconds. The controller chooses, among plain decoding and depths 
 
 Estimates. c(d) and t(1), in units of the choice's cost: the median of a depth's last ``window`` measurements, each
 its seconds over the median seconds of the choice's latest cycles (so that depths measured at different times compare
-as if measured together on a machine whose speed drifts); for a depth not yet measured, a straight line in d through
-the measured ones (plain decoding is the point d = 0). E(d): the tokens per cycle the depth actually gave (decayed
-counts with a half-life in emitted tokens), shrunk towards the chain model of Leviathan et al. 2023, "Fast Inference
-from Transformers via Speculative Decoding", §3.1,
+as if measured together on a machine whose speed drifts), shrunk towards the cycle-weighted line in d through the
+measured draft depths by ``cost_prior`` pseudo-cycles (a block measured in a slow stretch does not decide alone); a
+depth not yet measured lies on that line (through plain decoding, d = 0, while no draft depth is measured). E(d): the
+tokens per cycle the depth actually gave (decayed counts with a half-life in emitted tokens), shrunk towards the chain
+model of Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", §3.1,
 
     E(d) = 1 + p1 + p1·p2 + … + p1·p2⋯pd,
 
@@ -30,7 +31,8 @@ switch resets it. When no measured depth could beat plain even with every draft 
 verify pass dearer than the tokens it could give, as on a CPU whose matmul cost grows with the tokens of a pass),
 the interval is the longest at once and the blocks last ``probe`` cycles. Otherwise the choice moves to the
 candidate with the best predicted rate (plain, the measured depths, the choice's neighbours and the depth the
-estimates rank first) when that beats the current choice's by ``margin`` (hysteresis against noise).
+estimates rank first) when that beats the current choice's by ``margin`` (hysteresis against noise); a depth not
+yet run is first explored for a block.
 
 Pure logic: no mlx, no clock. The decoding loop asks ``next_depth()`` once per cycle and reports each
 cycle with ``observe``; the question may run one cycle ahead of the reports (the loop queues each
@@ -63,6 +65,7 @@ class Settings:
             ``half_life``: a depth other than the choice runs only in exploration blocks).
         window: measurements per depth whose median is its cost.
         reference: the choice's latest cycles whose median seconds make the cost unit.
+        cost_prior: pseudo-cycles of the line through the measured depths in a measured depth's cost.
         block: cycles run at a depth (the choice, or one being explored) before the next decision.
         explore_every: emitted tokens between exploration rounds (doubled while rounds confirm the choice).
         max_explore_every: the longest interval between exploration rounds, in tokens.
@@ -79,6 +82,7 @@ class Settings:
     realized_half_life: float = 512.0
     window: int = 32
     reference: int = 16
+    cost_prior: float = 16.0
     block: int = 8
     explore_every: int = 384
     max_explore_every: int = 1024
@@ -157,22 +161,21 @@ class DepthController:
         return (self.tokens[depth] + prior * self.chain_tokens(depth)) / (self.cycles[depth] + prior)
 
     def cost(self, depth: int) -> float | None:
-        """Cost of a cycle at ``depth`` (PLAIN: of a plain token) in units of the choice's (``unit`` seconds):
-        measured median, else a line in d through the measured depths; None when nothing is measured."""
-        if self.costs[depth]:
-            return statistics.median(self.costs[depth])
-        points = [(d, statistics.median(c)) for d, c in enumerate(self.costs) if c]
+        """Cost of a cycle at ``depth`` (PLAIN: of a plain token) in units of the choice's (``unit`` seconds); None
+        when nothing is measured. A measured draft depth's median is shrunk towards the line through the measured
+        draft depths (``_line``) by ``cost_prior`` pseudo-cycles: a few cycles measured once, maybe in a slow second,
+        do not decide alone. An unmeasured depth lies on the line."""
+        points = {d: (statistics.median(c), len(c)) for d, c in enumerate(self.costs) if c}
         if not points:
             return None
-        if len(points) == 1:  # one point: assume cost proportional to the tokens a pass handles
-            d0, c0 = points[0]
-            return c0 * (depth + 1) / (d0 + 1)
-        n = len(points)
-        mean_d = sum(d for d, _ in points) / n
-        mean_c = sum(c for _, c in points) / n
-        slope = sum((d - mean_d) * (c - mean_c) for d, c in points) / sum((d - mean_d) ** 2 for d, _ in points)
-        slope = max(slope, 0.0)
-        return max(mean_c + slope * (depth - mean_d), min(c for _, c in points))
+        if depth == PLAIN and PLAIN in points:
+            return points[PLAIN][0]
+        drafts = {d: p for d, p in points.items() if d != PLAIN}
+        line = _line(drafts if depth != PLAIN and drafts else points, depth)
+        if depth not in points:
+            return line
+        median, n = points[depth]
+        return (n * median + self.settings.cost_prior * line) / (n + self.settings.cost_prior)
 
     def unit(self) -> float | None:
         """Seconds a cost unit takes now: the median of the choice's latest cycles; None before any cycle."""
@@ -189,7 +192,8 @@ class DepthController:
         ``rate`` (tokens/s) at the machine's present speed; the ``choice``, ``switches`` and exploration ``rounds``."""
         unit, depths = self.unit(), {}
         for d in (d for d in range(self.settings.max_depth + 1) if self.cycles_at[d]):
-            cost = None if unit is None or self.cost(d) is None else self.cost(d) * unit
+            cost = self.cost(d)
+            cost = None if unit is None or cost is None else cost * unit
             depths[d] = {"cycles": self.cycles_at[d], "tokens": self.tokens_at[d], "explored": self.explored_at[d],
                          "tokens_per_cycle": self.expected_tokens(d), "cost": cost,
                          "rate": None if cost is None else self.expected_tokens(d) / cost}
@@ -255,6 +259,10 @@ class DepthController:
                       max(range(1, s.max_depth + 1), key=lambda d: self.rate(d) or 0.0)}
         rates = {d: self.rate(d) or 0.0 for d in candidates}
         best = max(sorted(rates), key=rates.get)
+        if best != self.choice and rates[best] > rates[self.choice] * (1 + s.margin) and not self.costs[best]:
+            hopeless = self.choice == PLAIN and self._hopeless()  # a depth not yet run: explored before a switch
+            self.running, self.hold = best, s.probe if hopeless else s.block
+            return
         if best != self.choice and rates[best] > rates[self.choice] * (1 + s.margin):
             self.switches += 1
             self._rebase(self.cost(best))
@@ -301,6 +309,20 @@ class DepthController:
         plain = self.rate(PLAIN)
         measured = [d for d in range(1, self.settings.max_depth + 1) if self.costs[d]]
         return plain is not None and bool(measured) and all((d + 1) / self.cost(d) <= plain for d in measured)
+
+
+def _line(points: dict[int, tuple[float, int]], depth: int) -> float:
+    """The cost at ``depth`` on the least-squares line through ``points`` ({depth: (median cost, cycles)}, weighted by
+    cycles; slope ≥ 0, never below the least point); one point: cost proportional to the tokens a pass handles."""
+    if len(points) == 1:
+        ((d0, (c0, _)),) = points.items()
+        return c0 * (depth + 1) / (d0 + 1)
+    total = sum(n for _, n in points.values())
+    mean_d = sum(d * n for d, (_, n) in points.items()) / total
+    mean_c = sum(c * n for c, n in points.values()) / total
+    spread = sum(n * (d - mean_d) ** 2 for d, (_, n) in points.items())
+    slope = max(sum(n * (d - mean_d) * (c - mean_c) for d, (c, n) in points.items()) / spread, 0.0)
+    return max(mean_c + slope * (depth - mean_d), min(c for c, _ in points.values()))
 
 
 class FixedDepth:

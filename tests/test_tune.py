@@ -161,6 +161,13 @@ def test_long_context_prompts(model_dir, capsys):
     assert "--prompt-tokens must be >= 0, got -1" in capsys.readouterr().err
 
 
+def test_result_files_never_overwritten(tmp_path):
+    first = measure.write_result(tmp_path / "results", "bench", "first\n")
+    second = measure.write_result(tmp_path / "results", "bench", "second\n")
+    assert second.name == first.name.replace(".txt", "-2.txt")
+    assert first.read_text() == "first\n" and second.read_text() == "second\n"
+
+
 def test_vocab_text_token_counts():
     counts = token_counts(lambda prompt, n, depth: iter(prompt[:n]), [[1, 2, 2], [2, 5]], 2, [9, 9, 1])
     assert counts == Counter({1: 2, 2: 2, 5: 1, 9: 2})

@@ -85,14 +85,18 @@ class Result:
 
 def write_result(out: Path, name: str, text: str) -> Path:
     """Write a benchmark's report atomically as ``out/DATE-DEVICE-NAME.txt`` (today's date, MLX's device name with
-    every run of other characters than letters and digits made one ``-``); the path written.
+    every run of other characters than letters and digits made one ``-``), never over an earlier report: the second
+    of a day is ``…-NAME-2.txt``, and so on; the path written.
 
     Raises:
         OSError: ``out`` cannot be created or written.
     """
     device = re.sub(r"[^A-Za-z0-9]+", "-", tuning.machine()["device_name"]).strip("-")
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{datetime.date.today().isoformat()}-{device}-{name}.txt"
+    stem = f"{datetime.date.today().isoformat()}-{device}-{name}"
+    path, n = out / f"{stem}.txt", 2
+    while path.exists():
+        path, n = out / f"{stem}-{n}.txt", n + 1
     atomic_write(path, lambda tmp: tmp.write_text(text))
     return path
 
