@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+from mlx_lm.utils import quantize_model, save_config, save_model
 
 from mtp_plugin.plugins import hook
 
@@ -59,8 +59,7 @@ def config_of(name: str) -> dict:
 def build(name: str, out: Path) -> Path:
     """Write shape ``name`` to ``out`` (through a temporary directory beside it, renamed when complete); ``out``."""
     config = config_of(name)
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))  # lazy: nothing is drawn until a shard is written
+    model = hook().mtp_build_model(config=config)  # mlx-lm's class, lazy: nothing is drawn until a shard is written
     head = hook().mtp_build_head(model=model, config=config)
     model.set_dtype(mx.bfloat16)
     head.set_dtype(mx.bfloat16)

@@ -1,0 +1,122 @@
+"""Memory and time of decoding at the shapes users run: MTP at fixed depths against plain decoding and stock mlx-lm.
+
+    python benchmarks/real_decoding.py [--shape NAME ...] [--prompt 256] [--tokens 24] [--repeats 2] [--out DIR]
+
+On the random-weight checkpoints of ``real_shapes.py`` (built on demand), each run in a fresh process decodes greedily
+through mlx-lm's ``generate_step`` from a random prompt: ``stock`` (the plugin disabled), ``plain`` (the plugin
+loaded, MTP off), ``d1``-``d3`` (the head alone at that fixed depth). A random head's drafts are rejected and the
+head would be parked after its probe; here the probe is off (``health.PROBE_DRAFTS = 0``), for measurement only, so
+every cycle drafts, verifies and rolls back. Medians over ``--repeats`` per mode: MLX's peak memory over the prompt
+pass and over decoding, milliseconds per cycle (a plain step counts as one) and the main thread's CPU ms per cycle
+(host work), and the head's KV cache per context token and at 4k, 16k and 32k. Exit status 2 on a usage error, 1
+when a run fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_shapes  # noqa: E402
+from real_sizes import child, report  # noqa: E402
+
+GB, MB = 1e9, 1e6
+MODES = ("stock", "plain", "d1", "d2", "d3")
+CONTEXTS = (4096, 16384, 32768)
+CHILD = """
+import importlib, json, sys, time
+from pathlib import Path
+import mlx.core as mx
+from mlx_lm.utils import load_model
+model_dir, mode, prompt_len, max_tokens = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if mode != "stock":
+    from mtp_plugin import health
+    health.PROBE_DRAFTS = 0  # a random head is never parked: every cycle drafts (measurement only)
+model, config = load_model(model_dir)
+vocab = config.get("text_config", config)["vocab_size"]
+prompt = mx.random.randint(0, vocab, (prompt_len,), key=mx.random.key(0))
+fixed = {"stock": {}, "plain": {"enable_mtp": False}}
+options = fixed[mode] if mode in fixed else {"mtp_depth": int(mode[1:]), "mtp_lookup": False}
+generate_step = importlib.import_module("mlx_lm.generate").generate_step
+loaded = mx.get_active_memory()
+mx.reset_peak_memory()
+tokens = generate_step(prompt, model, max_tokens=max_tokens, **options)
+next(tokens)
+prompt_peak = mx.get_peak_memory()
+mx.reset_peak_memory()
+start, cpu, n = time.perf_counter(), time.thread_time(), 0
+for _ in tokens:
+    n += 1
+seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
+head = getattr(model, "mtp_head", None)
+stats = None if head is None else head.stats
+cycles = n if stats is None or stats.depth is None else stats.cycles + stats.plain
+if mode.startswith("d") and (stats is None or stats.cycles == 0):
+    raise SystemExit(f"{mode}: the head ran no cycle")
+figures = {"loaded": loaded, "prompt_peak": prompt_peak, "decode_peak": mx.get_peak_memory(),
+           "ms_per_cycle": 1000 * seconds / cycles, "host_ms_per_cycle": 1000 * cpu / cycles,
+           "tokens_per_cycle": n / cycles, "head_kv_per_token": 0}
+if head is not None:  # the head's KV cache over 64 positions, per position
+    from mtp_plugin.plugins import hook
+    _, head_cache = hook().mtp_new_caches(model=model)
+    x = mx.zeros((1, 64, config.get("text_config", config)["hidden_size"]), mx.bfloat16)
+    head.module(x, x, cache=head_cache)
+    mx.eval(head_cache.keys, head_cache.values)
+    figures["head_kv_per_token"] = (head_cache.keys.nbytes + head_cache.values.nbytes) / head_cache.keys.shape[2]
+print(json.dumps(figures))
+"""
+
+
+def decode_figures(model_dir: Path, prompt: int, tokens: int, repeats: int, bar) -> dict[str, dict[str, float]]:
+    """Medians per mode of one run's figures (``CHILD``) over ``repeats`` rounds through every mode in turn."""
+    runs = {mode: [] for mode in MODES}
+    for _ in range(repeats):
+        for mode in runs:
+            bar.set_postfix_str(f"{model_dir.name}, {mode}")
+            runs[mode].append(child(CHILD, [str(model_dir), mode, str(prompt), str(tokens)], mode == "stock"))
+            bar.update()
+    return {mode: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for mode, rs in runs.items()}
+
+
+def lines_of(name: str, figures: dict[str, dict[str, float]]) -> list[str]:
+    """The result lines of one shape: a row per mode, the decoding peak also as its excess over stock mlx-lm's (the
+    head's weights among it) and over the plugin's plain decoding's (what MTP itself holds: rollback, drafts)."""
+    stock, plain = figures["stock"], figures["plain"]
+    lines = [f"{name}:", "  mode   prompt peak GB  decode peak GB  over stock GB  over plain GB  ms/cycle  "
+             "host ms/cycle  tokens/cycle"]
+    for mode, f in figures.items():
+        lines.append(f"  {mode:6s} {f['prompt_peak'] / GB:14.3f}  {f['decode_peak'] / GB:14.3f}  "
+                     f"{(f['decode_peak'] - stock['decode_peak']) / GB:+13.3f}  "
+                     f"{(f['decode_peak'] - plain['decode_peak']) / GB:+13.3f}  {f['ms_per_cycle']:8.1f}  "
+                     f"{f['host_ms_per_cycle']:13.2f}  {f['tokens_per_cycle']:12.2f}")
+    per_token = figures["d1"]["head_kv_per_token"]
+    lines.append(f"  head KV cache: {per_token / 1e3:.1f} kB per context token (measured over 64), "
+                 + ", ".join(f"{per_token * n / MB:.0f} MB at {n // 1024}k" for n in CONTEXTS))
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", action="append", choices=list(real_shapes.SHAPES),
+                        help="repeatable; default: every shape")
+    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens")
+    parser.add_argument("--tokens", type=int, default=24, help="tokens to decode per run")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cache", type=Path, default=real_shapes.CACHE)
+    parser.add_argument("--out", type=Path, help="directory for the dated result file")
+    args = parser.parse_args()
+    if min(args.prompt, args.tokens, args.repeats) < 1:
+        parser.error("--prompt, --tokens and --repeats must be >= 1")
+    title = (f"decoding at real shapes (random weights; real_shapes.py): a {args.prompt}-token random prompt, "
+             f"{args.tokens} tokens greedy, median of {args.repeats} runs per mode, each in a fresh process; "
+             "d1-d3: the head at that depth, every draft rejected (random weights), parking probe off")
+    report(title, args.shape or list(real_shapes.SHAPES), args.cache, len(MODES) * args.repeats, "runs",
+           lambda name, model_dir, bar: lines_of(
+               name, decode_figures(model_dir, args.prompt, args.tokens, args.repeats, bar)),
+           "real-sizes-decoding", args.out)
+
+if __name__ == "__main__":
+    main()
