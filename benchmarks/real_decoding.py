@@ -41,7 +41,6 @@ prompt = mx.random.randint(0, vocab, (prompt_len,), key=mx.random.key(0))
 fixed = {"stock": {}, "plain": {"enable_mtp": False}}
 options = fixed[mode] if mode in fixed else {"mtp_depth": int(mode[1:]), "mtp_lookup": False}
 generate_step = importlib.import_module("mlx_lm.generate").generate_step
-loaded = mx.get_active_memory()
 mx.reset_peak_memory()
 tokens = generate_step(prompt, model, max_tokens=max_tokens, **options)
 next(tokens)
@@ -56,7 +55,7 @@ stats = None if head is None else head.stats
 cycles = n if stats is None or stats.depth is None else stats.cycles + stats.plain
 if mode.startswith("d") and (stats is None or stats.cycles == 0):
     raise SystemExit(f"{mode}: the head ran no cycle")
-figures = {"loaded": loaded, "prompt_peak": prompt_peak, "decode_peak": mx.get_peak_memory(),
+figures = {"prompt_peak": prompt_peak, "decode_peak": mx.get_peak_memory(),
            "ms_per_cycle": 1000 * seconds / cycles, "host_ms_per_cycle": 1000 * cpu / cycles,
            "tokens_per_cycle": n / cycles, "head_kv_per_token": 0}
 if head is not None:  # the head's KV cache over 64 positions, per position
@@ -117,6 +116,7 @@ def main() -> None:
            lambda name, model_dir, bar: lines_of(
                name, decode_figures(model_dir, args.prompt, args.tokens, args.repeats, bar)),
            "real-sizes-decoding", args.out)
+
 
 if __name__ == "__main__":
     main()

@@ -60,6 +60,8 @@ def build(name: str, out: Path) -> Path:
     """Write shape ``name`` to ``out`` (through a temporary directory beside it, renamed when complete); ``out``."""
     config = config_of(name)
     model = hook().mtp_build_model(config=config)  # mlx-lm's class, lazy: nothing is drawn until a shard is written
+    if model is None:
+        raise SystemExit(f"{name}: the installed mlx-lm has no model type {config['model_type']!r}")
     head = hook().mtp_build_head(model=model, config=config)
     model.set_dtype(mx.bfloat16)
     head.set_dtype(mx.bfloat16)

@@ -111,12 +111,12 @@ def lines_of(name: str, figures: dict[str, dict[str, float]]) -> list[str]:
         raise SystemExit(f"{name}: the plugin loaded no head (see its warning above); nothing to compare")
     head, t0, t1 = plugin["head"] / GB, stock["seconds"], plugin["seconds"]
     lines = [f"{name}: head {head:.3f} GB as loaded",
-            f"  load seconds      stock {t0:7.2f}  plugin {t1:7.2f}  ratio {t1 / t0:.3f}  over stock {t1 - t0:+.2f} s",
-            f"  peak while loading stock {stock['peak'] / GB:6.2f}  plugin {plugin['peak'] / GB:6.2f} GB  "
-            f"beyond stock + head {(plugin['peak'] - stock['peak']) / GB - head:+.3f} GB",
-            f"  active once loaded stock {stock['active'] / GB:6.2f}  plugin {plugin['active'] / GB:6.2f} GB  "
-            f"beyond stock + head {(plugin['active'] - stock['active']) / GB - head:+.3f} GB",
-            f"  one plugin load under cProfile, {figures['profiled']['seconds']:.2f} s; cumulative seconds:"]
+             f"  load seconds      stock {t0:7.2f}  plugin {t1:7.2f}  ratio {t1 / t0:.3f}  over stock {t1 - t0:+.2f} s",
+             f"  peak while loading stock {stock['peak'] / GB:6.2f}  plugin {plugin['peak'] / GB:6.2f} GB  "
+             f"beyond stock + head {(plugin['peak'] - stock['peak']) / GB - head:+.3f} GB",
+             f"  active once loaded stock {stock['active'] / GB:6.2f}  plugin {plugin['active'] / GB:6.2f} GB  "
+             f"beyond stock + head {(plugin['active'] - stock['active']) / GB - head:+.3f} GB",
+             f"  one plugin load under cProfile, {figures['profiled']['seconds']:.2f} s; cumulative seconds:"]
     for part, keys in PARTS.items():
         lines.append(f"    {part:38s} {sum(figures['profiled'].get(key, 0.0) for key in keys):6.2f}")
     return lines
@@ -158,6 +158,7 @@ def report(title: str, shapes: list[str], cache: Path, runs: int, unit: str, mea
     if out:
         path = measure.write_result(out, name, text)
         print(f"written to {os.path.relpath(path, REPO)}")
+
 
 if __name__ == "__main__":
     main()

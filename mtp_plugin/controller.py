@@ -7,11 +7,12 @@ token per t(1) seconds. The controller chooses, among plain decoding and depths 
 
 Estimates. c(d) and t(1), in units of the choice's cost: the median of a depth's last ``window`` measurements, each
 its seconds over the median seconds of the choice's latest cycles (so that depths measured at different times compare
-as if measured together on a machine whose speed drifts), shrunk towards the cycle-weighted line in d through the
-measured draft depths by ``cost_prior`` pseudo-cycles (a block measured in a slow stretch does not decide alone); a
-depth not yet measured lies on that line (through plain decoding, d = 0, while no draft depth is measured). E(d): the
-tokens per cycle the depth actually gave (decayed counts with a half-life in emitted tokens), shrunk towards the chain
-model of Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", §3.1,
+as if measured together on a machine whose speed drifts); a draft depth's median is shrunk towards the cycle-weighted
+line in d through the measured draft depths by ``cost_prior`` pseudo-cycles (a block measured in a slow stretch does
+not decide alone); a depth not yet measured lies on that line, or on the one through plain decoding (d = 0) while
+no draft depth is measured (through a single point: cost proportional to d + 1). E(d): the tokens per cycle the
+depth actually gave (decayed counts with a half-life in emitted tokens), shrunk towards the chain model of Leviathan
+et al. 2023, "Fast Inference from Transformers via Speculative Decoding", §3.1,
 
     E(d) = 1 + p1 + p1·p2 + … + p1·p2⋯pd,
 
@@ -65,7 +66,8 @@ class Settings:
             ``half_life``: a depth other than the choice runs only in exploration blocks).
         window: measurements per depth whose median is its cost.
         reference: the choice's latest cycles whose median seconds make the cost unit.
-        cost_prior: pseudo-cycles of the line through the measured depths in a measured depth's cost.
+        cost_prior: pseudo-cycles of the line through the measured draft depths in a measured draft depth's cost
+            (with two measured draft depths the line passes through both: no shrink).
         block: cycles run at a depth (the choice, or one being explored) before the next decision.
         explore_every: emitted tokens between exploration rounds (doubled while rounds confirm the choice).
         max_explore_every: the longest interval between exploration rounds, in tokens.
@@ -259,11 +261,12 @@ class DepthController:
                       max(range(1, s.max_depth + 1), key=lambda d: self.rate(d) or 0.0)}
         rates = {d: self.rate(d) or 0.0 for d in candidates}
         best = max(sorted(rates), key=rates.get)
-        if best != self.choice and rates[best] > rates[self.choice] * (1 + s.margin) and not self.costs[best]:
-            hopeless = self.choice == PLAIN and self._hopeless()  # a depth not yet run: explored before a switch
+        gains = best != self.choice and rates[best] > rates[self.choice] * (1 + s.margin)
+        if gains and not self.costs[best] and not self.explored_at[best]:  # never asked for: explored before a switch
+            hopeless = self.choice == PLAIN and self._hopeless()
             self.running, self.hold = best, s.probe if hopeless else s.block
             return
-        if best != self.choice and rates[best] > rates[self.choice] * (1 + s.margin):
+        if gains:
             self.switches += 1
             self._rebase(self.cost(best))
             self.choice, self.interval = best, s.explore_every
