@@ -254,18 +254,14 @@ class DepthController:
         while self.queue:
             depth = self.queue.pop(0)
             if self._worth_exploring(depth):
-                hopeless = self.choice == PLAIN and self._hopeless()
-                self.running, self.hold = depth, s.probe if hopeless else s.block
-                return
+                return self._explore(depth)
         candidates = {PLAIN, self.choice, *self._neighbours(), *(d for d, c in enumerate(self.costs) if c),
                       max(range(1, s.max_depth + 1), key=lambda d: self.rate(d) or 0.0)}
         rates = {d: self.rate(d) or 0.0 for d in candidates}
         best = max(sorted(rates), key=rates.get)
         gains = best != self.choice and rates[best] > rates[self.choice] * (1 + s.margin)
         if gains and not self.costs[best] and not self.explored_at[best]:  # never asked for: explored before a switch
-            hopeless = self.choice == PLAIN and self._hopeless()
-            self.running, self.hold = best, s.probe if hopeless else s.block
-            return
+            return self._explore(best)
         if gains:
             self.switches += 1
             self._rebase(self.cost(best))
@@ -278,6 +274,11 @@ class DepthController:
             self.interval = s.max_explore_every
         self.confirming = False
         self.running, self.hold = self.choice, s.block
+
+    def _explore(self, depth: int) -> None:
+        """Run a block at ``depth`` beside the choice (``probe`` cycles while parked and hopeless)."""
+        hopeless = self.choice == PLAIN and self._hopeless()
+        self.running, self.hold = depth, self.settings.probe if hopeless else self.settings.block
 
     def _rebase(self, ratio: float) -> None:
         """Make the cost unit a depth that costs ``ratio`` of the present unit (the new choice's cost)."""
