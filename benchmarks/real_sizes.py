@@ -6,7 +6,9 @@ Each load runs in a fresh process (``mlx_lm.utils.load_model``, as ``mlx_lm.load
 disabled by ``MTP_PLUGIN_DISABLE=1``), on checkpoints of ``real_shapes.py`` (built on demand), after one unmeasured
 load of each (the page cache then holds the files for both). Per shape and runtime, medians over ``--repeats``
 alternating loads: seconds to a loaded, evaluated model; MLX's peak memory while loading; its active memory once
-loaded; and the head's weights as loaded. Then one plugin load under cProfile: where loading spends its time
+loaded; and the head's weights as loaded. A control times stock followed by allocating as many bytes as the head
+holds: on machines where memory touched late costs more than memory touched early, it separates what the head's
+memory costs from what the plugin's work does. Then one plugin load under cProfile: where loading spends its time
 (``PARTS``). Exit status 2 on a usage error, 1 when a load fails.
 """
 
@@ -39,10 +41,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 profile = cProfile.Profile() if sys.argv[2:] == ["profile"] else None
+allocate = int(sys.argv[3]) if sys.argv[2:3] == ["allocate"] else 0
 start = time.perf_counter()
 if profile:
     profile.enable()
 model, _ = load_model(Path(sys.argv[1]))
+if allocate:  # the control: stock, then as many fresh bytes as the head's, written once
+    mx.eval(mx.ones((allocate // 2,), mx.bfloat16))
 seconds = time.perf_counter() - start
 loaded = getattr(model, "mtp_head", None)
 head = 0 if loaded is None else sum(v.nbytes for _, v in tree_flatten(loaded.module.parameters()))
@@ -83,13 +88,18 @@ def child(code: str, args: list[str], stock: bool) -> dict:
 
 
 def measure_loads(model_dir: Path, repeats: int, bar) -> dict[str, dict[str, float]]:
-    """Medians per runtime of a load's figures (``CHILD``) over ``repeats`` alternating loads (one warm-up each), and
-    ``profiled``: one plugin load's figures under cProfile, with each function's cumulative seconds."""
-    runs = {"stock": [], "plugin": []}
+    """Medians per runtime of a load's figures (``CHILD``) over ``repeats`` rounds (one warm-up round; the order
+    reverses each round), and ``profiled``: one plugin load's figures under cProfile, with each function's cumulative
+    seconds. Runtimes: ``stock``, ``plugin``, and ``allocate``, the control: stock, then allocating and writing as
+    many bytes as the plugin's head holds (what memory alone costs at that point)."""
+    runs = {"stock": [], "plugin": [], "allocate": []}
+    head = 0
     for i in range(repeats + 1):
         for runtime in runs if i % 2 == 0 else reversed(runs):
             bar.set_postfix_str(f"{model_dir.name}, {runtime}")
-            figures = child(CHILD, [str(model_dir)], runtime == "stock")
+            extra = ["allocate", str(int(head))] if runtime == "allocate" else []
+            figures = child(CHILD, [str(model_dir), *extra], runtime != "plugin")
+            head = figures["head"] if runtime == "plugin" else head
             if i:
                 runs[runtime].append(figures)
             bar.update()
@@ -110,8 +120,10 @@ def lines_of(name: str, figures: dict[str, dict[str, float]]) -> list[str]:
     if not plugin["head"]:
         raise SystemExit(f"{name}: the plugin loaded no head (see its warning above); nothing to compare")
     head, t0, t1 = plugin["head"] / GB, stock["seconds"], plugin["seconds"]
+    t2 = figures["allocate"]["seconds"]
     lines = [f"{name}: head {head:.3f} GB as loaded",
              f"  load seconds      stock {t0:7.2f}  plugin {t1:7.2f}  ratio {t1 / t0:.3f}  over stock {t1 - t0:+.2f} s",
+             f"  control: stock, then allocating the head's bytes {t2:.2f} s (plugin / control {t1 / t2:.3f})",
              f"  peak while loading stock {stock['peak'] / GB:6.2f}  plugin {plugin['peak'] / GB:6.2f} GB  "
              f"beyond stock + head {(plugin['peak'] - stock['peak']) / GB - head:+.3f} GB",
              f"  active once loaded stock {stock['active'] / GB:6.2f}  plugin {plugin['active'] / GB:6.2f} GB  "
@@ -134,7 +146,7 @@ def main() -> None:
         parser.error("--repeats must be >= 1")
     title = (f"loading at real shapes (random weights, converted MLX layout, head under mtp.*; real_shapes.py), "
              f"median of {args.repeats} loads per runtime, each in a fresh process")
-    report(title, args.shape or list(real_shapes.SHAPES), args.cache, 2 * (args.repeats + 1) + 1, "loads",
+    report(title, args.shape or list(real_shapes.SHAPES), args.cache, 3 * (args.repeats + 1) + 1, "loads",
            lambda name, model_dir, bar: lines_of(name, measure_loads(model_dir, args.repeats, bar)),
            "real-sizes-load", args.out)
 
@@ -143,7 +155,7 @@ def report(title: str, shapes: list[str], cache: Path, runs: int, unit: str, mea
            out: Path | None) -> None:
     """Build each of ``shapes`` in ``cache`` (``real_shapes.ensure``), measure it (``measure_shape(shape, model_dir,
     bar)``: its result lines; ``runs`` bar steps per shape), print the report under ``title`` and the machine's
-    description, and with ``out`` write it there as a dated result file ``name``."""
+    description, and with ``out`` write it there as a dated result file ``name`` (``name-SHAPE`` for one shape)."""
     lines = [title, f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
              f"machine: {json.dumps(tuning.machine())}, {os.cpu_count()} CPUs",
              f"versions: {json.dumps(tuning.versions())}", ""]
@@ -156,7 +168,7 @@ def report(title: str, shapes: list[str], cache: Path, runs: int, unit: str, mea
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if out:
-        path = measure.write_result(out, name, text)
+        path = measure.write_result(out, f"{name}-{shapes[0]}" if len(shapes) == 1 else name, text)
         print(f"written to {os.path.relpath(path, REPO)}")
 
 

@@ -36,8 +36,9 @@ def kurtosis(values: np.ndarray) -> float:
     v = np.asarray(values, dtype=np.float64).ravel()
     v = v[:: max(1, v.size // SAMPLE)]
     centred = v - v.mean()
-    var = float(np.mean(centred**2))
-    return float(np.mean(centred**4) / var**2) if var > 0 else 0.0
+    squares = centred * centred  # products, not ``**``: numpy's power is several times slower
+    var = float(squares.mean())
+    return float((squares * squares).mean() / var**2) if var > 0 else 0.0
 
 
 def judge(norms: dict[str, np.ndarray], projections: dict[str, np.ndarray]) -> Verdict:
