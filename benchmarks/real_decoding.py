@@ -1,6 +1,7 @@
 """Memory and time of decoding at the shapes users run: MTP at fixed depths against plain decoding and stock mlx-lm.
 
-    python benchmarks/real_decoding.py [--shape NAME ...] [--prompt 256] [--tokens 24] [--repeats 2] [--out DIR]
+    python benchmarks/real_decoding.py [--shape NAME ...] [--prompt 256] [--tokens 24] [--repeats 2]
+        [--part-repeats 3] [--cache DIR] [--out DIR]
 
 On the random-weight checkpoints of ``real_shapes.py`` (built on demand), each run in a fresh process decodes greedily
 through mlx-lm's ``generate_step`` from a random prompt: ``stock`` (the plugin disabled), ``plain`` (the plugin loaded,
@@ -188,7 +189,9 @@ def main() -> None:
     accepted = bundled_tokens_per_cycle()
     title = (f"decoding at real shapes (random weights; real_shapes.py): a {args.prompt}-token random prompt, "
              f"{args.tokens} tokens greedy, median of {args.repeats} runs per mode, each in a fresh process; "
-             "d1-d3: the head at that depth, every draft rejected (random weights), parking probe off")
+             "d1-d3: the head at that depth, rollback by capture, every draft rejected (random weights), parking probe "
+             "off; d3 replay: rollback by replay; parts: the loop's parts on a warm cache (rollback as auto takes it), "
+             "and a projection from the bundled checkpoint's tokens per cycle")
     report(title, args.shape or list(real_shapes.SHAPES), args.cache, len(MODES) * args.repeats + 1, "runs",
            lambda name, model_dir, bar: lines_of(
                name, decode_figures(model_dir, args.prompt, args.tokens, args.repeats, bar))

@@ -2,14 +2,14 @@
 
     python benchmarks/real_sizes.py [--shape NAME ...] [--repeats 3] [--cache DIR] [--out benchmarks/results]
 
-Each load runs in a fresh process (``mlx_lm.utils.load_model``, as ``mlx_lm.load`` calls it; stock: the plugin
-disabled by ``MTP_PLUGIN_DISABLE=1``), on checkpoints of ``real_shapes.py`` (built on demand), after one unmeasured
-load of each (the page cache then holds the files for both). Per shape and runtime, medians over ``--repeats``
-alternating loads: seconds to a loaded, evaluated model; MLX's peak memory while loading; its active memory once
-loaded; and the head's weights as loaded. A control times stock followed by allocating as many bytes as the head
-holds: on machines where memory touched late costs more than memory touched early, it separates what the head's
-memory costs from what the plugin's work does. Then one plugin load under cProfile: where loading spends its time
-(``PARTS``). Exit status 2 on a usage error, 1 when a load fails.
+Each load runs in a fresh process (``mlx_lm.utils.load_model``, as ``mlx_lm.load`` calls it; stock: the plugin disabled
+by ``MTP_PLUGIN_DISABLE=1``), on checkpoints of ``real_shapes.py`` (built on demand), after one unmeasured load of each
+(the page cache then holds the files for all). Per shape and runtime, medians over ``--repeats`` rounds (the order
+reversing each round): seconds to a loaded, evaluated model; MLX's peak memory while loading; its active memory once
+loaded; and the head's weights as loaded. A control times stock followed by allocating as many bytes as the head holds:
+on machines where memory touched late costs more than memory touched early, it separates what the head's memory costs
+from what the plugin's work does. Then one plugin load under cProfile: where loading spends its time (``PARTS``). Exit
+status 2 on a usage error, 1 when a load fails.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def kurtosis(values: np.ndarray) -> float:
     v = np.asarray(values, dtype=np.float64).ravel()
     v = v[:: max(1, v.size // SAMPLE)]
     centred = v - v.mean()
-    squares = centred * centred  # products, not ``**``: numpy's power is several times slower
+    squares = centred * centred  # products: numpy's ``**4`` is several times slower
     var = float(squares.mean())
     return float((squares * squares).mean() / var**2) if var > 0 else 0.0
 
