@@ -11,33 +11,12 @@ every rank holds the head whatever layers it runs. A local directory is never to
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from pathlib import Path
 
-from mtp_plugin.plugins import hook
+from mtp_plugin.checkpoint import head_files
 
 log = logging.getLogger("mtp_plugin")
-INDEX = "model.safetensors.index.json"
-
-
-def head_files(model_dir: Path) -> list[str]:
-    """Names, relative to ``model_dir``, of the files that may hold the head of the checkpoint whose config.json (and
-    index, if any) are in ``model_dir``: the sidecar paths the families name (``mtp_sidecar_paths``), whether they
-    exist or not, and the shards the index maps head tensors to (``mtp_head_name``). Empty for a model type no family
-    handles, or when config.json is missing or unreadable."""
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-        index = json.loads((model_dir / INDEX).read_text()) if (model_dir / INDEX).exists() else {}
-        paths = [p for found in hook().mtp_sidecar_paths(model_dir=model_dir, config=config) for p in found]
-        names = {p.relative_to(model_dir).as_posix() for p in paths if p.is_relative_to(model_dir)}
-        model_type = config.get("model_type", "")
-        for name, file in (index.get("weight_map") or {}).items():
-            if hook().mtp_head_name(name=name, model_type=model_type, sidecar=False, config=config) is not None:
-                names.add(file)
-    except (OSError, ValueError, AttributeError, TypeError):  # not a checkpoint the families can read
-        return []
-    return sorted(names)
 
 
 def offline() -> bool:

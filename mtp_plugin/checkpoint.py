@@ -234,6 +234,25 @@ def _candidate_files(model_dir: Path, config: dict, loc: HeadLocation) -> tuple[
     return sorted(shards), sorted(set(sidecars))
 
 
+def head_files(model_dir: Path) -> list[str]:
+    """Names, relative to ``model_dir``, of the files that may hold the head of the checkpoint whose config.json (and
+    index, if any) are in ``model_dir``: the sidecar paths the families name (``mtp_sidecar_paths``), whether they
+    exist or not, and the shards the index maps head tensors to (``mtp_head_name``). Empty for a model type no family
+    handles, or when config.json is missing or unreadable."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        index = json.loads((model_dir / INDEX).read_text()) if (model_dir / INDEX).exists() else {}
+        paths = [p for found in hook().mtp_sidecar_paths(model_dir=model_dir, config=config) for p in found]
+        names = {p.relative_to(model_dir).as_posix() for p in paths if p.is_relative_to(model_dir)}
+        model_type = config.get("model_type", "")
+        for name, file in (index.get("weight_map") or {}).items():
+            if hook().mtp_head_name(name=name, model_type=model_type, sidecar=False, config=config) is not None:
+                names.add(file)
+    except (OSError, ValueError, AttributeError, TypeError):  # not a checkpoint the families can read
+        return []
+    return sorted(names)
+
+
 def unreadable_file(path: Path, named: bool = False) -> str | None:
     """Why a head file at ``path`` cannot be read, ``""`` when it simply does not exist (and need not: not
     ``named`` by config.json), or None when it is a readable regular file."""
@@ -275,11 +294,7 @@ def find_head(model_dir: Path, config: dict | None = None) -> HeadLocation:
         if header is None:
             continue
         names, metadata = header
-        found = _head_tensors(path, names, config, sidecar=path in sidecars)
-        if not found and path not in sidecars:
-            found = _head_tensors(path, names, config, sidecar=True)
-            if len(found) != len(names):
-                found = []
+        found = head_tensors(path, names, config, sidecar=path in sidecars)
         if not found:
             loc.trunk_files.append(path)
             continue
@@ -294,6 +309,18 @@ def find_head(model_dir: Path, config: dict | None = None) -> HeadLocation:
         loc.metadata.update(metadata or {})
         loc.metadata_files.update(dict.fromkeys(metadata or {}, path))
     return loc
+
+
+def head_tensors(path: Path, names: dict, config: dict, sidecar: bool) -> list[HeadTensor]:
+    """The head tensors among ``names`` (``{name: (shape, dtype)}``, the header of ``path``): a sidecar's under the
+    names a sidecar may use; a shard's under the trunk's names, or, when it has none, under a sidecar's names if
+    every tensor of the file is one (a head file under any name)."""
+    found = _head_tensors(path, names, config, sidecar)
+    if not found and not sidecar:
+        found = _head_tensors(path, names, config, sidecar=True)
+        if len(found) != len(names):
+            found = []
+    return found
 
 
 def _head_tensors(path: Path, names: dict, config: dict, sidecar: bool) -> list[HeadTensor]:

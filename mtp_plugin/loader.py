@@ -14,6 +14,7 @@ from .checkpoint import CheckpointError, HeadLocation, find_head
 from .conventions import ZERO_CENTRED, Contract, NormDecision
 from .diagnostics import head_statistics, judge
 from .health import HeadHealth
+from .hub.card import graft_command
 from .plugins import hook
 from .stats import MTPStats
 from .validation import Validation, validate
@@ -89,6 +90,7 @@ def load_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | N
     head = hook().mtp_build_head(model=model, config=config) if location.tensors or location.unusable else None
     if head is None:
         _warn(location)
+        _warn_if_dropped(location)
         return None
     validation = validate(location, head)
     if validation.problems:
@@ -105,6 +107,19 @@ def _warn(location: HeadLocation) -> None:
     """One warning for what the search skipped (``HeadLocation.warnings``), if anything."""
     if location.warnings:
         log.warning("mtp_plugin: %s", "; ".join(location.warnings))
+
+
+def _warn_if_dropped(location: HeadLocation) -> None:
+    """One warning when config.json declares MTP layers and no file holds a head tensor, naming the command that
+    gets one (``card.graft_command``)."""
+    try:
+        declared = location.declared_layers
+    except CheckpointError:
+        return
+    if declared and not location.tensors and not location.unusable:
+        log.warning("mtp_plugin: %s declares %s=%d but carries no MTP head (the conversion dropped it); decoding "
+                    "without MTP. To get the head: %s", location.model_dir, location.declared_key, declared,
+                    graft_command(location.model_dir))
 
 
 def _warn_if_random(location: HeadLocation, validation: Validation) -> None:

@@ -14,12 +14,20 @@ RANGES = {  # option: (lowest, highest or None)
     "repeats": (1, None),  # runs of the prompt suite (medians)
 }
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
-HEAD_BITS = (4, 8, 16)  # extract: 4/8-bit affine quantization, 16: bfloat16
+HEAD_BITS = (4, 8, 16)  # extract, graft: 4/8-bit affine quantization, 16: bfloat16
+DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 64  # the head's default quantization: docs/checkpoints.md#head-quantization
 
 
 class UsageError(ValueError):
     """An argument the command cannot honour (a value out of range, an output that would touch user data);
     the message names the option or file and the fix. Nothing was written."""
+
+
+def check_quantization(bits: int, group_size: int) -> None:
+    """Raise ``UsageError`` unless ``bits`` is one of ``HEAD_BITS`` and ``group_size`` one of ``GROUP_SIZES``."""
+    if bits not in HEAD_BITS or group_size not in GROUP_SIZES:
+        raise UsageError(f"--bits must be one of {HEAD_BITS} and --group-size one of {GROUP_SIZES}, "
+                         f"got {bits} and {group_size}")
 
 
 def describe(option: str) -> str:

@@ -1,9 +1,12 @@
-"""A Hugging Face Hub repository served from a local folder, for tests that have no network.
+"""Hugging Face Hub repositories served from local folders, for tests that have no network.
 
 ``snapshot_download`` stands in for ``huggingface_hub.snapshot_download`` where mlx-lm imported it
 (``mlx_lm.utils.snapshot_download``): it copies the files of ``remote`` that ``allow_patterns`` selects, chosen by
 huggingface_hub's own ``filter_repo_objects`` (the filter the real function applies), into one snapshot folder, and
 returns that folder, as the real function returns the cached snapshot.
+
+``Hub`` serves the Hub's own HTTP endpoints on loopback, for processes pointed at it with ``HF_ENDPOINT``: the real
+huggingface_hub then talks to it as to the Hub.
 """
 
 from __future__ import annotations
@@ -31,3 +34,151 @@ def snapshot_download(remote: Path, snapshot: Path):
     download.calls = []
     snapshot.mkdir(parents=True, exist_ok=True)
     return download
+
+
+class Hub:
+    """The Hub's HTTP endpoints that huggingface_hub calls, served on loopback from local folders.
+
+    ``repos`` maps a repo id to a folder: ``GET /api/models/ID[/revision/REV]`` (revision info: ``sha``, ``siblings``),
+    ``GET /api/models/ID/tree/REV`` (the file listing ``snapshot_download`` reads) and ``HEAD``/``GET
+    /ID/resolve/REV/PATH`` (``X-Repo-Commit``, ``ETag``, sizes; a ``.safetensors`` file is redirected to
+    ``/cdn/ID/PATH`` as the Hub sends LFS files to its CDN, which honours ``Range``). ``served`` counts the bytes of
+    ``.safetensors`` files sent; ``ranges`` lists ``(path, first byte)`` of each safetensors GET. ``cut_after``: the
+    next safetensors response of more bytes than that stops after that many bytes (the connection closes); ``refuse``:
+    safetensors GETs answer 403 after a cut. Use as a context manager.
+    """
+
+    COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+    def __init__(self, repos: dict[str, Path]):
+        self.repos, self.served, self.ranges = repos, 0, []
+        self.cut_after: int | None = None
+        self.refuse = self.cut = False
+
+    def __enter__(self) -> Hub:
+        import threading
+        from http.server import ThreadingHTTPServer
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _handler(hub: Hub):
+    import hashlib
+    import json
+    import re
+    from http.server import BaseHTTPRequestHandler
+    from urllib.parse import unquote, urlparse
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def _file(self, repo: str, name: str) -> Path | None:
+            folder = hub.repos.get(repo)
+            path = None if folder is None else folder / name
+            return path if path is not None and path.is_file() else None
+
+        def _send(self, status: int, headers: dict, body: bytes = b"") -> None:
+            self.send_response(status)
+            for k, v in {"Content-Length": str(len(body)), **headers}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def _api(self, repo: str) -> None:
+            folder = hub.repos.get(repo)
+            if folder is None:
+                self._send(404, {"X-Error-Code": "RepoNotFound"}, b'{"error": "Repository not found"}')
+                return
+            files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+            body = json.dumps({"id": repo, "modelId": repo, "sha": Hub.COMMIT, "private": False,
+                               "siblings": [{"rfilename": f} for f in files]}).encode()
+            self._send(200, {"Content-Type": "application/json"}, body)
+
+        def _tree(self, repo: str) -> None:
+            folder = hub.repos.get(repo)
+            if folder is None:
+                self._send(404, {"X-Error-Code": "RepoNotFound"}, b'{"error": "Repository not found"}')
+                return
+            entries = []
+            for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+                data = path.read_bytes()
+                entry = {"type": "file", "path": path.relative_to(folder).as_posix(), "size": len(data),
+                         "oid": hashlib.sha1(data).hexdigest()}
+                if path.suffix == ".safetensors":
+                    entry["lfs"] = {"size": len(data), "oid": hashlib.sha256(data).hexdigest(), "pointerSize": 134}
+                entries.append(entry)
+            self._send(200, {"Content-Type": "application/json"}, json.dumps(entries).encode())
+
+        def _resolve(self, repo: str, name: str) -> None:
+            path = self._file(repo, name)
+            if path is None:
+                self._send(404, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": Hub.COMMIT}, b"")
+                return
+            data = path.read_bytes()
+            etag = '"' + hashlib.sha256(data).hexdigest() + '"'
+            common = {"X-Repo-Commit": Hub.COMMIT, "ETag": etag, "Accept-Ranges": "bytes"}
+            if path.suffix == ".safetensors":  # an LFS file: the Hub redirects to its CDN
+                self._send(302, {**common, "X-Linked-Etag": etag, "X-Linked-Size": str(len(data)),
+                                 "Location": f"/cdn/{repo}/{name}"})
+                return
+            self._send(200, common, data)
+
+        def _cdn(self, repo: str, name: str) -> None:
+            path = self._file(repo, name)
+            if path is None or hub.refuse and hub.cut:
+                self._send(404 if path is None else 403, {})
+                return
+            data = path.read_bytes()
+            start, end, status = 0, len(data) - 1, 200
+            match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+            if match:
+                start, end, status = int(match[1]), min(int(match[2] or end), end), 206
+            body = data[start:end + 1]
+            headers = {"Accept-Ranges": "bytes", "ETag": '"' + hashlib.sha256(data).hexdigest() + '"',
+                       "X-Repo-Commit": Hub.COMMIT}  # huggingface_hub follows a same-host redirect as the Hub's own
+            if status == 206:
+                headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+            if self.command == "GET":
+                hub.ranges.append((name, start))
+            if self.command == "GET" and hub.cut_after is not None and len(body) > hub.cut_after and not hub.cut:
+                hub.cut, hub.served = True, hub.served + hub.cut_after
+                self.send_response(status)
+                for k, v in {**headers, "Content-Length": str(len(body))}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body[:hub.cut_after])
+                self.wfile.flush()
+                self.close_connection = True
+                return
+            if self.command == "GET":
+                hub.served += len(body)
+            self._send(status, headers, body)
+
+        def do_HEAD(self):
+            self.do_GET()
+
+        def do_GET(self):
+            path = unquote(urlparse(self.path).path)
+            if match := re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/[^/]+", path):
+                self._tree(match[1])
+            elif match := re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/[^/]+)?", path):
+                self._api(match[1])
+            elif match := re.fullmatch(r"/([^/]+/[^/]+)/resolve/[^/]+/(.+)", path):
+                self._resolve(match[1], match[2])
+            elif match := re.fullmatch(r"/cdn/([^/]+/[^/]+)/(.+)", path):
+                self._cdn(match[1], match[2])
+            else:
+                self._send(404, {}, b"")
+
+    return Handler

@@ -10,9 +10,9 @@ import mlx_lm.utils
 import pytest
 from console_runs import MLX4
 from hub import REPO_ID, snapshot_download
-from mtp_plugin.adapters.mlx_lm_download import head_files
 
 import mtp_plugin
+from mtp_plugin.checkpoint import head_files
 
 
 def test_head_files_of_a_sidecar_checkpoint():

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointError, check_weight_files, read_config
 from ..files import Terminated, terminating_cleanly
-from ..usage import GROUP_SIZES, HEAD_BITS, UsageError, describe, int_in
+from ..hub.fetch import is_repo_id
+from ..usage import DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, HEAD_BITS, UsageError, describe, int_in
 
 DESCRIPTION = """Inspect, verify, graft, extract, tune and benchmark MTP heads (also: python -m mtp_plugin).
 
@@ -23,6 +24,7 @@ Exit codes: 0 ok; 1 a failure (MTP cannot run, the head is unusable, a checkpoin
 error (a bad option value, a missing model directory, an output that would lose or touch user data): nothing
 was written; 130 interrupted. SIGTERM/SIGHUP remove the command's temporary files before the process ends by
 that signal. Each command's options: mtp-plugin COMMAND --help."""
+HUB_ARGS = ("recipient", "hf")  # the model-directory arguments that take a Hub repo id too
 SAMPLE_SOURCE = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"  # real text found on every machine
 
 
@@ -40,7 +42,7 @@ def _inspect(args) -> int:
 def _extract(args) -> int:
     from .extract import extract
 
-    summary = extract(args.hf, args.out, args.bits, args.group_size, args.force)
+    summary = extract(args.hf, args.out, args.bits, args.group_size, args.force, args.revision)
     labels = sorted(set(summary["quantization"].values()))
     print(f"wrote {summary['out']}: {summary['tensors']} tensors, {summary['bytes'] / 1e6:.2f} MB, "
           f"{', '.join(labels)}, {len(summary['norms_folded'])} norms folded to absolute")
@@ -50,7 +52,8 @@ def _extract(args) -> int:
 def _graft(args) -> int:
     from .graft import graft
 
-    summary = graft(args.recipient, args.donor, args.out, args.layout, args.force)
+    summary = graft(args.recipient, args.donor, args.out, args.layout, args.force, args.bits, args.group_size,
+                    args.revision)
     for line in summary["overridden"]:
         print(f"--force overrode: {line}", file=sys.stderr)
     linked, copied = summary["linked"], summary["copied"]
@@ -193,6 +196,14 @@ def _command(sub, name: str, run, text: str, model_dir: str = "model_dir") -> ar
     return command
 
 
+def _quantization_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--bits", type=int, default=DEFAULT_BITS, choices=HEAD_BITS,
+                         help="the head's weights: 4/8 quantize, 16 keeps bfloat16 (the default was measured: "
+                         "docs/checkpoints.md#head-quantization)")
+    command.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=GROUP_SIZES,
+                         help="quantization group size")
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser with one sub-parser per command; every option's help gives its default and range."""
     p = argparse.ArgumentParser(prog="mtp-plugin", description=DESCRIPTION,
@@ -206,21 +217,26 @@ def parser() -> argparse.ArgumentParser:
 
     graft = _command(sub, "graft", _graft, "give a head-less checkpoint the head of another (inputs never "
                      "written; the output directory must be new)", "recipient")
-    graft.add_argument("--recipient", type=Path, required=True, help="model directory without a head")
-    graft.add_argument("--donor", type=Path, required=True, help="checkpoint directory or head file with a head")
+    graft.add_argument("--recipient", type=Path, required=True,
+                       help="model directory without a head, or a Hub repo id (downloaded as mlx-lm downloads it)")
+    graft.add_argument("--donor", type=Path, required=True, help="checkpoint directory or head file with a head, or "
+                       "a Hub repo id (only the head's bytes are fetched)")
+    graft.add_argument("--revision", help="the Hub donor's branch, tag or commit (default: its main branch)")
     graft.add_argument("--out", type=Path, required=True,
                        help="new output directory: must not exist, nor lie inside the recipient or donor")
     graft.add_argument("--layout", default="mlx-lm", choices=["mlx-lm", "mtplx", "omlx", "mlx-serve"],
                        help="runtime layout of the head file")
+    _quantization_options(graft)
     graft.add_argument("--force", action="store_true", help="graft despite config/quantization mismatches")
 
     extract = _command(sub, "extract", _extract, "take the head out of an original Hugging Face checkpoint "
                        "(writes only --out)", "hf")
-    extract.add_argument("--hf", type=Path, required=True, help="checkpoint directory carrying the head")
+    extract.add_argument("--hf", type=Path, required=True, help="checkpoint directory carrying the head, or a Hub "
+                         "repo id (only the head's bytes are fetched)")
+    extract.add_argument("--revision", help="the Hub repo's branch, tag or commit (default: its main branch)")
     extract.add_argument("--out", type=Path, required=True,
                          help="head file to write (safetensors), outside the checkpoint; its directory must exist")
-    extract.add_argument("--bits", type=int, default=8, choices=HEAD_BITS, help="4/8: quantize, 16: bfloat16")
-    extract.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES, help="quantization group size")
+    _quantization_options(extract)
     extract.add_argument("--force", action="store_true", help="replace an existing --out file (never an input)")
 
     verify = _command(sub, "verify", _verify, "measure acceptance and sweep the head's wiring contract (writes "
@@ -268,13 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = parser().parse_args(argv)
     directory = getattr(args, args.model_dir_arg)
-    if not (directory / "config.json").is_file():
+    local = args.model_dir_arg not in HUB_ARGS or not is_repo_id(directory)  # a Hub repo is checked once fetched
+    if local and not (directory / "config.json").is_file():
         what = "not a directory" if not directory.is_dir() else "no config.json"
-        print(f"mtp-plugin: {directory}: {what}; pass a model directory.", file=sys.stderr)
+        print(f"mtp-plugin: {directory}: {what}; pass a model directory{' or a Hub repo id' * (not local)}.",
+              file=sys.stderr)
         return 2
     try:
-        read_config(directory)  # an unreadable config.json or weights file is named here, before any runtime reads it
-        check_weight_files(directory)
+        if local:  # an unreadable config.json or weights file is named here, before any runtime reads it
+            read_config(directory)
+            check_weight_files(directory)
         with terminating_cleanly():
             return args.run(args)
     except UsageError as e:

@@ -8,15 +8,18 @@ from ..checkpoint import CheckpointError, find_head
 from ..conventions import Contract
 from ..files import check_new_output
 from ..headfile import head_metadata, quantization_labels, quantize_head, write_atomically
-from ..usage import GROUP_SIZES, HEAD_BITS, UsageError
+from ..hub.fetch import head_checkpoint, is_repo_id
+from ..usage import DEFAULT_BITS, DEFAULT_GROUP_SIZE, check_quantization
 from ..validation import validate
 
 
-def extract(hf_dir: Path, out: Path, bits: int = 8, group_size: int = 64, force: bool = False) -> dict:
+def extract(hf_dir: Path | str, out: Path, bits: int = DEFAULT_BITS, group_size: int = DEFAULT_GROUP_SIZE,
+            force: bool = False, revision: str | None = None) -> dict:
     """Write the head of ``hf_dir`` to ``out`` (safetensors, names ``mtp.*``, norms folded to absolute).
 
     Args:
-        hf_dir: a checkpoint carrying a head (normally the original Hugging Face one).
+        hf_dir: a checkpoint carrying a head (normally the original Hugging Face one), or its Hub repo id (only the
+            head's bytes are fetched: ``hub.fetch.head_checkpoint``, at ``revision``).
         out: the head file to write (atomically, with the mode of a new user file); never inside ``hf_dir``.
         bits: 4 or 8 for affine quantization with ``mx.quantize``, 16 to keep bfloat16.
         group_size: quantization group size, one of ``usage.GROUP_SIZES``.
@@ -29,13 +32,14 @@ def extract(hf_dir: Path, out: Path, bits: int = 8, group_size: int = 64, force:
         UsageError: ``out`` exists (without ``force``), lies inside ``hf_dir``, or its directory is missing or
             read-only; bits or group size not supported.
         CheckpointError: no head in ``hf_dir``, or one that would not load (``validation.validate``: the loader's
-            own check against the head module of ``hf_dir``'s config.json; each problem names file and tensor).
+            own check against the head module of ``hf_dir``'s config.json; each problem names file and tensor);
+            ``HubError`` for a repository that cannot serve it.
         ValueError: a group size that does not divide the head's widths.
     """
-    if bits not in HEAD_BITS or group_size not in GROUP_SIZES:
-        raise UsageError(f"--bits must be one of {HEAD_BITS} and --group-size one of {GROUP_SIZES}, "
-                         f"got {bits} and {group_size}")
-    check_new_output(Path(out), [Path(hf_dir)], force)
+    check_quantization(bits, group_size)
+    hub = is_repo_id(hf_dir)
+    check_new_output(Path(out), [] if hub else [Path(hf_dir)], force)
+    hf_dir = head_checkpoint(str(hf_dir), revision) if hub else Path(hf_dir)
     location = find_head(Path(hf_dir))
     if not location.tensors:
         raise CheckpointError(f"{hf_dir}: no MTP head tensors in any file; extract from the original checkpoint")

@@ -5,7 +5,8 @@ the output costs only the head's bytes; the donor's head must pass the loader's 
 of the recipient (``validation.validate``), so a graft never writes a head that would not load; the recipient and
 donor are never written; the output appears atomically (built in a temporary directory ``.NAME.*`` beside it, then
 renamed; removed on failure and on SIGTERM/SIGHUP when run under ``files.terminating_cleanly``, as the command line
-does). New files and directories get the modes of files the user creates (``files.user_mode``).
+does). New files and directories get the modes of files the user creates (``files.user_mode``). Either input may be a
+Hub repo id (``hub.fetch``: of a donor only the head's bytes are fetched).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from ..checkpoint import INDEX, CheckpointError, HeadLocation, HeadTensor, find_
 from ..compat import head_config, mismatches
 from ..conventions import Contract
 from ..files import check_new_output, user_mode
-from ..headfile import head_metadata, write_atomically
+from ..headfile import head_metadata, quantization_labels, quantize_head, write_atomically
+from ..hub.fetch import head_checkpoint, is_repo_id, model_checkpoint
 from ..plugins import hook
-from ..usage import UsageError
+from ..usage import DEFAULT_BITS, DEFAULT_GROUP_SIZE, UsageError, check_quantization
 from ..validation import expected_head, validate
 
 LAYOUTS = {  # layout: (head file, tensor-name prefix) each runtime documents
@@ -74,26 +76,39 @@ def donor_location(donor: Path, model_type: str) -> HeadLocation:
     return location
 
 
-def graft(recipient: Path, donor: Path, out: Path, layout: str = "mlx-lm", force: bool = False) -> dict:
+def graft(recipient: Path | str, donor: Path | str, out: Path, layout: str = "mlx-lm", force: bool = False,
+          bits: int = DEFAULT_BITS, group_size: int = DEFAULT_GROUP_SIZE, revision: str | None = None) -> dict:
     """Build ``out``: ``recipient``'s files (hard links) plus ``donor``'s head in ``layout``.
+
+    Args:
+        recipient: a model directory, or a Hub repo id (downloaded as mlx-lm downloads a model).
+        donor: a checkpoint directory or head file, or a Hub repo id (only its head's bytes are fetched:
+            ``hub.fetch.head_checkpoint``, at ``revision``).
+        bits, group_size: the head's quantization (``headfile.quantize_head``; 16 keeps bfloat16).
 
     Returns:
         Summary: layout, head file, tensors, head bytes, overridden mismatches, and how many recipient files were
         hard-linked and how many copied (where a link cannot be made: another filesystem).
 
     Raises:
-        UsageError: unknown layout; ``out`` exists, lies inside the recipient or donor, or its parent is
-            missing or read-only; a donor that does not exist or a donor directory without config.json.
-        GraftRefused: config or base-quantization mismatches (unless ``force``), a recipient that already carries
-            a head, a donor head that would not load into the recipient (``validation.validate``; never
-            overridden), or an index the ``omlx`` layout must extend that cannot be read.
-        CheckpointError: unreadable inputs.
+        UsageError: unknown layout, bits or group size; ``out`` exists, lies inside the recipient or donor, or its
+            parent is missing or read-only; a donor that does not exist or a donor directory without config.json.
+        GraftRefused: config or base-quantization mismatches (unless ``force``; a Hub donor's before any tensor byte
+            is fetched), a recipient that already carries a head, a donor head that would not load into the
+            recipient (``validation.validate``; never overridden), or an index the ``omlx`` layout must extend that
+            cannot be read.
+        CheckpointError: unreadable inputs; ``HubError`` for a repository that cannot serve them.
     """
-    recipient, donor, out = Path(recipient), Path(donor), Path(out)
     if layout not in LAYOUTS:
         raise UsageError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-    check_donor(donor)
-    check_new_output(out, [recipient, donor], kind="directory")
+    check_quantization(bits, group_size)
+    hub_donor, hub_recipient = is_repo_id(donor), is_repo_id(recipient)
+    if not hub_donor:
+        check_donor(Path(donor))
+    out = Path(out)
+    check_new_output(out, [Path(p) for p, hub in ((recipient, hub_recipient), (donor, hub_donor)) if not hub],
+                     kind="directory")
+    recipient = model_checkpoint(str(recipient)) if hub_recipient else Path(recipient)
     config = read_config(recipient)
     if config.get("model_type") not in sum(hook().mtp_model_types(), []):
         raise GraftRefused(f"{recipient}: model type {config.get('model_type')!r} has no MTP support")
@@ -101,6 +116,9 @@ def graft(recipient: Path, donor: Path, out: Path, layout: str = "mlx-lm", force
     if existing.tensors:
         raise GraftRefused(f"{recipient}: already carries a head in {existing.files[0].name}; graft onto a "
                            "head-less checkpoint")
+    if hub_donor:
+        donor = head_checkpoint(str(donor), revision, lambda c: _refuse_mismatches(mismatches(config, c), force))
+    donor = Path(donor)
     source = donor_location(donor, config["model_type"])
     donor_config = source.config if donor.is_dir() else head_config({c: t.shape for c, t in source.tensors.items()})
     problems = mismatches(config, donor_config)
@@ -108,10 +126,8 @@ def graft(recipient: Path, donor: Path, out: Path, layout: str = "mlx-lm", force
     if validation.problems:
         raise GraftRefused(f"the donor's head would not load into {recipient} (--force cannot override this):\n  "
                            + "\n  ".join(validation.problems + [f"donor vs recipient: {p}" for p in problems]))
-    if problems and not force:
-        raise GraftRefused("donor head does not fit the recipient:\n  " + "\n  ".join(problems)
-                           + "\n--force overrides (acceptance will tell whether the head still works)")
-    weights = validation.weights
+    _refuse_mismatches(problems, force)
+    weights = quantize_head(validation.weights, bits, group_size, validation.in_features)
     contract = Contract.from_metadata({**source.metadata, **source.config})
     head_file, prefix = LAYOUTS[layout]
     index = _index_to_extend(recipient, head_file, layout)
@@ -119,7 +135,7 @@ def graft(recipient: Path, donor: Path, out: Path, layout: str = "mlx-lm", force
     try:
         linked, copied = _link_tree(recipient, tmp)
         write_atomically(tmp / head_file, {prefix + k: v for k, v in weights.items()},
-                         head_metadata(contract, validation.quantization))
+                         head_metadata(contract, quantization_labels(weights, validation.in_features)))
         if index is not None:
             index["weight_map"].update({prefix + k: head_file for k in weights})
             (tmp / INDEX).unlink()  # a hard link to the recipient's index: never write through it
@@ -132,6 +148,14 @@ def graft(recipient: Path, donor: Path, out: Path, layout: str = "mlx-lm", force
     return {"out": str(out), "layout": layout, "head_file": head_file, "tensors": len(weights),
             "head_bytes": (out / head_file).stat().st_size, "overridden": problems if force else [],
             "linked": linked, "copied": copied}
+
+
+def _refuse_mismatches(problems: list[str], force: bool) -> None:
+    """Raise ``GraftRefused`` listing config or base-quantization ``problems`` (``compat.mismatches``), unless
+    ``force``."""
+    if problems and not force:
+        raise GraftRefused("donor head does not fit the recipient:\n  " + "\n  ".join(problems)
+                           + "\n--force overrides (acceptance will tell whether the head still works)")
 
 
 def _index_to_extend(recipient: Path, head_file: str, layout: str) -> dict | None:
@@ -152,8 +176,9 @@ def _index_to_extend(recipient: Path, head_file: str, layout: str) -> dict | Non
 
 
 def _link_tree(src: Path, dst: Path) -> tuple[int, int]:
-    """Hard-link every file of ``src`` into ``dst`` (same relative paths), copying those that cannot be linked
-    (another filesystem, a filesystem without hard links); returns ``(linked, copied)`` file counts."""
+    """Hard-link every file of ``src`` into ``dst`` (same relative paths; a symbolic link's target), copying those
+    that cannot be linked (another filesystem, a filesystem without hard links); returns ``(linked, copied)`` file
+    counts."""
     linked = copied = 0
     for path in sorted(src.rglob("*")):
         target = dst / path.relative_to(src)
@@ -162,7 +187,7 @@ def _link_tree(src: Path, dst: Path) -> tuple[int, int]:
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.link(path, target)
+            os.link(path.resolve(), target)  # a snapshot of huggingface_hub's cache holds symbolic links to blobs
             linked += 1
         except OSError:  # another filesystem, or links not supported
             shutil.copy2(path, target)

@@ -15,6 +15,7 @@ import numpy as np
 from ..checkpoint import CheckpointError, HeadLocation, find_head, trunk_headers
 from ..conventions import describe_quantization
 from ..diagnostics import head_statistics, judge
+from ..hub.card import graft_command
 from ..plugins import hook
 from ..validation import Validation, validate
 
@@ -67,12 +68,12 @@ def inspect_dir(model_dir: Path) -> dict:
     validation = validate(location)
     problems += validation.problems
     if not location.tensors and not problems:
+        command = graft_command(location.model_dir, online=True)
         if declared:
             problems.append(f"config.json declares {location.declared_key}={declared} but no head "
-                            "tensor is present in any file: the converter dropped it; graft one with "
-                            "`mtp-plugin graft`")
+                            f"tensor is present in any file: the converter dropped it; get one with `{command}`")
         else:
-            problems.append("no MTP head in this checkpoint; graft one with `mtp-plugin graft`")
+            problems.append(f"no MTP head in this checkpoint; graft one with `{command}`")
         return report
     if problems or validation.weights is None:
         return report

@@ -1,0 +1,279 @@
+"""A head from the Hugging Face Hub without its trunk: ranged reads of the bytes the head's tensors hold.
+
+``head_checkpoint`` gives a local directory that ``checkpoint.find_head`` reads as it reads the repository: its
+config.json and index, and each file holding head tensors reduced to them (same names, dtypes, shapes and
+``__metadata__``; offsets renumbered). Everything goes through huggingface_hub (endpoint, token, cache and offline
+rules).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..checkpoint import INDEX, CheckpointError, head_files, head_tensors
+from ..plugins import hook
+
+RETRIES = 5  # tries per byte range, each resuming where the last one stopped
+
+
+class HubError(CheckpointError):
+    """A repository that cannot serve a head; the message names the repository, the file and what to do."""
+
+
+def is_repo_id(value: str | Path) -> bool:
+    """True for ``OWNER/NAME`` (a valid Hub repo id) that is not an existing path: a path that exists stays a path."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    text = str(value)
+    if Path(text).exists() or text.count("/") != 1 or text.startswith((".", "~")):
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
+def heads_cache() -> Path:
+    """Where fetched heads are kept: ``HF_HOME/mtp_plugin/heads`` (huggingface_hub's ``HF_HOME``)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "mtp_plugin" / "heads"
+
+
+@dataclass
+class RemoteFile:
+    """The head tensors of one file of a repository, from its safetensors header.
+
+    ``entries`` maps each head tensor to its header entry (``dtype``, ``shape``, ``data_offsets`` relative to the data
+    section), ordered by offset; ``data_start`` is where the data section starts in the file (bytes)."""
+
+    name: str
+    entries: dict[str, dict]
+    metadata: dict | None
+    data_start: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e["data_offsets"][1] - e["data_offsets"][0] for e in self.entries.values())
+
+    def runs(self) -> list[tuple[int, int]]:
+        """The byte ranges ``[start, end)`` of the file that hold the head tensors, adjacent tensors merged."""
+        runs: list[list[int]] = []
+        for entry in self.entries.values():
+            start, end = (self.data_start + o for o in entry["data_offsets"])
+            if runs and runs[-1][1] == start:
+                runs[-1][1] = end
+            else:
+                runs.append([start, end])
+        return [(a, b) for a, b in runs]
+
+    def local_header(self) -> bytes:
+        """The reduced file's length prefix and JSON header (padded with spaces to 8 bytes, as safetensors writes)."""
+        header, offset = {}, 0
+        for name, entry in self.entries.items():
+            size = entry["data_offsets"][1] - entry["data_offsets"][0]
+            header[name] = {"dtype": entry["dtype"], "shape": entry["shape"], "data_offsets": [offset, offset + size]}
+            offset += size
+        if self.metadata is not None:
+            header = {"__metadata__": self.metadata, **header}
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        return struct.pack("<Q", len(text)) + text
+
+
+def head_checkpoint(repo_id: str, revision: str | None = None, check_config=None) -> Path:
+    """A local directory with the head of Hub repository ``repo_id`` (at ``revision``, default its main branch).
+
+    Fetches config.json and the index (``hf_hub_download``), the header of each file that may hold head tensors
+    (``checkpoint.head_files``, or every top-level safetensors file without an index) and only the head tensors'
+    bytes (ranged GETs: streamed, retried, resumed, a progress bar in bytes). Kept under
+    ``heads_cache()/models--OWNER--NAME/COMMIT``: a second call fetches no tensor bytes, and works offline; a fetch
+    cut off resumes from its ``.part`` file.
+
+    Args:
+        check_config: called with the repository's config.json (a dict) before any tensor byte is fetched; may raise.
+
+    Raises:
+        HubError: the repository, revision or a file cannot be fetched (offline without the head cached included), or
+            no file holds head tensors.
+    """
+    from huggingface_hub import HfApi, constants, hf_hub_download
+    from huggingface_hub.file_download import repo_folder_name
+
+    where = repo_id if revision is None else f"{repo_id}@{revision}"
+    try:
+        config_file = Path(hf_hub_download(repo_id, "config.json", revision=revision))
+    except Exception as e:  # noqa: BLE001 - huggingface_hub raises many kinds; all mean the same here
+        raise HubError(_unreachable(where, "config.json (and it is no local path)", e)) from e
+    snapshot, commit = config_file.parent, config_file.parent.name
+    config = json.loads(config_file.read_text())
+    if check_config is not None:
+        check_config(config)
+    folder = heads_cache() / repo_folder_name(repo_id=repo_id, repo_type="model")
+    if (folder / commit / "config.json").is_file():
+        return folder / commit
+    if constants.HF_HUB_OFFLINE:
+        raise HubError(_unreachable(where, "the head's tensors", "HF_HUB_OFFLINE is set and they are not cached"))
+    try:
+        files = {s.rfilename for s in HfApi().model_info(repo_id, revision=commit).siblings}
+        if INDEX in files:
+            hf_hub_download(repo_id, INDEX, revision=commit)
+        names = {f for f in head_files(snapshot) if f in files}
+        if INDEX not in files:
+            names |= {f for f in files if f.endswith(".safetensors") and "/" not in f}
+        sidecars = {p.relative_to(snapshot).as_posix() for found in
+                    hook().mtp_sidecar_paths(model_dir=snapshot, config=config) for p in found}
+        heads = [r for f in sorted(names) if (r := _remote_file(repo_id, commit, f, config, f in sidecars)).entries]
+        if not heads:
+            raise HubError(f"{where}: no MTP head tensors in {', '.join(sorted(names)) or 'any file'}; pick a donor "
+                           "that carries the head (the original checkpoint, e.g. the model card's base_model)")
+        parts = {r.name: _fetch(repo_id, commit, r, folder / "incomplete") for r in heads}
+    except HubError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise HubError(_unreachable(where, "the head", e)) from e
+    return _publish(folder, commit, snapshot, parts)
+
+
+def model_checkpoint(repo_id: str) -> Path:
+    """The local directory of Hub model ``repo_id``, downloaded as mlx-lm downloads a model (``mlx_lm.utils._download``:
+    its file patterns, huggingface_hub's cache and offline rules).
+
+    Raises:
+        HubError: it cannot be downloaded (offline and not cached included).
+    """
+    from mlx_lm.utils import _download
+
+    try:
+        return Path(_download(repo_id))
+    except Exception as e:  # noqa: BLE001
+        raise HubError(_unreachable(repo_id, "the model", e)) from e
+
+
+def _unreachable(where: str, what: str, reason) -> str:
+    return (f"{where}: cannot fetch {what} ({reason}); check the repo id, revision and network (or HF_TOKEN for a "
+            f"gated repo); offline, run once online or download the checkpoint (`hf download {where.split('@')[0]}`) "
+            "and pass its directory")
+
+
+def _remote_file(repo_id: str, commit: str, name: str, config: dict, sidecar: bool) -> RemoteFile:
+    """The head tensors of ``name`` from its header, read with two ranged requests."""
+    url = _url(repo_id, commit, name)
+    length = struct.unpack("<Q", _read_range(url, 0, 8))[0]
+    header = json.loads(_read_range(url, 8, 8 + length))
+    metadata = header.pop("__metadata__", None)
+    shapes = {n: (tuple(e["shape"]), e["dtype"]) for n, e in header.items()}
+    found = {t.name for t in head_tensors(Path(name), shapes, config, sidecar)}
+    entries = {n: header[n] for n in sorted(found, key=lambda n: header[n]["data_offsets"][0])}
+    return RemoteFile(name, entries, metadata, 8 + length)
+
+
+def _url(repo_id: str, commit: str, name: str) -> str:
+    from huggingface_hub import hf_hub_url
+
+    return hf_hub_url(repo_id, name, revision=commit)
+
+
+def _read_range(url: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of ``url`` (``_stream``)."""
+    data = bytearray()
+    _stream(url, data.extend, start, end)
+    return bytes(data)
+
+
+def _fetch(repo_id: str, commit: str, remote: RemoteFile, incomplete: Path) -> Path:
+    """Write the reduced file of ``remote`` to ``incomplete/COMMIT--NAME.part``, resuming from the bytes an earlier
+    call left there, with a progress bar in bytes; returns its path once complete.
+
+    Raises:
+        HubError: a run cannot be fetched after ``RETRIES`` tries (each resuming where the last stopped).
+    """
+    from huggingface_hub.utils import tqdm
+
+    incomplete.mkdir(parents=True, exist_ok=True)
+    path = incomplete / f"{commit}--{remote.name.replace('/', '--')}.part"
+    header = remote.local_header()
+    with open(path, "a+b") as f:
+        f.seek(0)
+        if f.read(len(header)) != header:
+            f.truncate(0)
+            f.write(header)
+        f.seek(0, os.SEEK_END)
+        done = f.tell() - len(header)
+        url = _url(repo_id, commit, remote.name)
+        with tqdm(total=remote.nbytes, initial=done, unit="B", unit_scale=True,
+                  desc=f"{repo_id}: head in {remote.name}") as bar:
+            for start, end in remote.runs():
+                if done < end - start:
+                    _stream(url, f.write, start + done, end, bar)
+                done = max(done - (end - start), 0)
+    return path
+
+
+def _stream(url: str, write, start: int, end: int, bar=None) -> None:
+    """Pass bytes ``[start, end)`` of ``url`` to ``write``: ranged GETs through huggingface_hub's session (its
+    retries on 429 and 5xx answers), a broken stream resumed from the last byte received, ``RETRIES`` tries.
+
+    Raises:
+        HubError: the server ignores the Range header, or the stream keeps breaking.
+    """
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
+
+    for attempt in range(RETRIES):
+        try:
+            headers = {**build_hf_headers(), "Range": f"bytes={start}-{end - 1}"}
+            with http_stream_backoff("GET", url, headers=headers, retry_on_exceptions=()) as response:
+                hf_raise_for_status(response)
+                if response.status_code != 206:
+                    raise HubError(f"{url}: the server ignored a Range request (status {response.status_code}); "
+                                   "the head cannot be fetched alone from it")
+                for chunk in response.iter_bytes():
+                    write(chunk[: end - start])
+                    start += len(chunk)
+                    if bar is not None:
+                        bar.update(len(chunk))
+            if start >= end:
+                return
+        except Exception as e:
+            if not _transient(e) or attempt == RETRIES - 1:
+                raise
+        time.sleep(min(2.0 ** attempt, 8.0))
+    raise HubError(f"{url}: the stream ended {end - start} bytes early {RETRIES} times; run the command again to "
+                   "resume")
+
+
+def _transient(error: Exception) -> bool:
+    """A network failure to resume after: the HTTP client's transport errors (httpx's ``TransportError``, by name,
+    since huggingface_hub's client library changed its package name) or an OS-level one."""
+    return isinstance(error, OSError) or any(c.__name__ == "TransportError" for c in type(error).__mro__)
+
+
+def _publish(folder: Path, commit: str, snapshot: Path, parts: dict[str, Path]) -> Path:
+    """Move the fetched ``parts`` (file name → complete ``.part``) with config.json and the index into
+    ``folder/commit`` (built beside it, then renamed); returns that directory."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{commit}.", dir=folder))
+    try:
+        for name in ("config.json", INDEX):
+            if (snapshot / name).is_file():
+                shutil.copyfile(snapshot / name, tmp / name)
+        for name, part in parts.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(part, tmp / name)
+        os.rename(tmp, folder / commit)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (folder / commit / "config.json").is_file():  # else another process published it first
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder / commit
