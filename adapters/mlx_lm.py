@@ -13,7 +13,6 @@ import functools
 import importlib
 import sys
 import threading
-from pathlib import Path
 
 from mtp_plugin.hookspecs import hookimpl
 
@@ -27,25 +26,12 @@ from .mlx_lm_decoding import (
 from .mlx_lm_download import fetch_head_files
 from .mlx_lm_sampling import describe_samplers
 from .mlx_lm_server import patch_server
-from .patching import Patches, claiming, version_in_range, wrap_sanitizers
+from .patching import Patches, keep_head, version_in_range, wrap_sanitizers
 
 TESTED = ("0.30.7", "0.33")
 _patches = Patches()
 _server_patches = Patches()
 _lock = threading.RLock()  # re-entered when patching imports the runtime itself
-
-
-def _keep_head(load_model):
-    from mtp_plugin.loader import attach_head
-
-    @functools.wraps(load_model)
-    def wrapper(model_path, *args, **kwargs):
-        with claiming(model_path):
-            model, config = load_model(model_path, *args, **kwargs)
-        attach_head(model, Path(model_path), config)
-        return model, config
-
-    return wrapper
 
 
 @hookimpl
@@ -59,7 +45,7 @@ def mtp_patch_runtime(runtime):
 
         if not _patches.active:
             wrap_sanitizers(_patches, "mlx_lm")
-            _patches.wrap(mlx_lm.utils, "load_model", _keep_head)
+            _patches.wrap(mlx_lm.utils, "load_model", keep_head)
             _patches.wrap(mlx_lm.utils, "_download", fetch_head_files)
             _patch_decoding()
         if runtime is None:

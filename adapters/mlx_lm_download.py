@@ -10,6 +10,7 @@ every rank holds the head whatever layers it runs. A local directory is never to
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from pathlib import Path
@@ -42,9 +43,23 @@ def fetch_head_files(download):
         missing = [name for name in head_files(Path(path)) if not (Path(path) / name).exists()]
         if missing:
             try:
-                download(path_or_hf_repo, revision=revision, allow_patterns=missing)
+                with _quiet_when_none_matches():  # sidecars the repository lacks are expected
+                    download(path_or_hf_repo, revision=revision, allow_patterns=missing)
             except Exception as e:  # noqa: BLE001 - the trunk must still load; the loader reports a missing head
                 log.debug("mtp_plugin: could not fetch %s of %s: %s", ", ".join(missing), path_or_hf_repo, e)
         return path
 
     return wrapper
+
+
+@contextlib.contextmanager
+def _quiet_when_none_matches():
+    """Hide huggingface_hub's "No files matched allow_patterns" warning (its ``_snapshot_download`` logger) while
+    the head's possible files are fetched."""
+    logger = logging.getLogger("huggingface_hub._snapshot_download")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

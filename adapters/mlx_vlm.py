@@ -14,34 +14,19 @@ import functools
 import importlib
 import sys
 import threading
-from pathlib import Path
 
 from mtp_plugin.hookspecs import hookimpl
 
 from . import capture
 from .mlx_vlm_decoding import cli_argparse, mtp_generate_step, print_summary
 from .mlx_vlm_server import patch_server
-from .patching import Patches, claiming, version_in_range, wrap_sanitizers
+from .patching import Patches, keep_head, version_in_range, wrap_sanitizers
 
 TESTED = ("0.6.5", "0.8")
 _patches = Patches()
 _server_patches = Patches()
 _captured: dict[str, bool] = {}  # ``capture.install``'s answer: model types whose trunk layers are captured
 _lock = threading.RLock()  # re-entered when patching imports the runtime itself
-
-
-def _keep_head(load_model):
-    from mtp_plugin.checkpoint import read_config
-    from mtp_plugin.loader import attach_head
-
-    @functools.wraps(load_model)
-    def wrapper(model_path, *args, **kwargs):
-        with claiming(model_path):
-            model = load_model(model_path, *args, **kwargs)
-        attach_head(model, Path(model_path), read_config(Path(model_path)))
-        return model
-
-    return wrapper
 
 
 @hookimpl
@@ -55,7 +40,7 @@ def mtp_patch_runtime(runtime):
 
         if not _patches.active:
             wrap_sanitizers(_patches, "mlx_vlm")
-            _patches.wrap(mlx_vlm.utils, "load_model", _keep_head)
+            _patches.wrap(mlx_vlm.utils, "load_model", keep_head)
             _captured.update(_patch_decoding())
         # the server once it has executed: its post-import hook, or a later ``patch()``
         if runtime != "mlx_vlm" and "mlx_vlm.server" in sys.modules and not _server_patches.active:

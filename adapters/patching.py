@@ -80,20 +80,36 @@ def version_in_range(distribution: str, lowest: str, below: str) -> str | None:
 def claiming(model_path):
     """While a runtime loads ``model_path``: the stored names of every head tensor our loader finds there (any
     file, bare names in a head file included) are stripped by the wrapped ``sanitize`` (``strip_head_tensors``).
+    Yields the head's location (``loader.locate_head``), or None, so that the directory is searched once a load.
 
     A directory whose head cannot be located (unreadable header …) claims nothing here; the loader reports it.
     """
-    from mtp_plugin.checkpoint import CheckpointError, find_head
+    from mtp_plugin.loader import locate_head
 
+    location = locate_head(Path(model_path))
+    token = _claimed.set(frozenset(name for _, name in location.claimed()) if location else frozenset())
     try:
-        names = frozenset(name for _, name in find_head(Path(model_path)).claimed())
-    except (CheckpointError, OSError, ValueError):
-        names = frozenset()
-    token = _claimed.set(names)
-    try:
-        yield
+        yield location
     finally:
         _claimed.reset(token)
+
+
+def keep_head(load_model):
+    """Wrap a runtime's ``load_model(model_path, ...)`` (mlx-lm's returns ``(model, config)``, mlx-vlm's the model):
+    the head is located and its tensors claimed while the runtime loads the trunk (``claiming``), then loaded onto
+    the model (``loader.attach_head``)."""
+    from mtp_plugin.checkpoint import read_config
+    from mtp_plugin.loader import attach_head
+
+    @functools.wraps(load_model)
+    def wrapper(model_path, *args, **kwargs):
+        with claiming(model_path) as location:
+            loaded = load_model(model_path, *args, **kwargs)
+        model, config = loaded if isinstance(loaded, tuple) else (loaded, read_config(Path(model_path)))
+        attach_head(model, Path(model_path), config, location)
+        return loaded
+
+    return wrapper
 
 
 def strip_head_tensors(sanitize, model_type: str):

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import draft_vocab, health, settle
-from .checkpoint import CheckpointError, HeadLocation, find_head
+from .checkpoint import CheckpointError, HeadLocation, find_head, read_config
 from .conventions import ZERO_CENTRED, Contract, NormDecision
 from .diagnostics import head_statistics, judge
 from .health import HeadHealth
@@ -72,9 +72,24 @@ class LoadedHead:
                 f"norms: {zero} zero-centred / {len(self.norms) - zero} absolute{open_norms}{vocab}{parked}")
 
 
-def load_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | None:
-    """Load the head of ``model_dir`` for trunk ``model``; None when the directory carries no head, or when no
-    plugin handles its model type (its files are then not even read).
+def locate_head(model_dir: Path) -> HeadLocation | None:
+    """The head of ``model_dir`` as ``find_head`` locates it (file headers only), for a runtime about to load the
+    trunk; None when config.json cannot be read, no plugin handles the model type or the head cannot be located.
+    Never raises."""
+    try:
+        config = read_config(Path(model_dir))
+        if config.get("model_type") not in sum(hook().mtp_model_types(), []):
+            return None
+        return find_head(Path(model_dir), config)
+    except (CheckpointError, OSError, ValueError):
+        return None
+
+
+def load_head(model: nn.Module, model_dir: Path, config: dict, location: HeadLocation | None = None
+              ) -> LoadedHead | None:
+    """Load the head of ``model_dir`` for trunk ``model`` (at ``location`` when ``locate_head`` found it already);
+    None when the directory carries no head, or when no plugin handles its model type (its files are then not even
+    read).
 
     What the search skipped without harm (an index it could not use) is logged as one warning, or, when the head
     is refused, joins the error's message, so that a load warns once.
@@ -86,7 +101,7 @@ def load_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | N
     """
     if config.get("model_type") not in sum(hook().mtp_model_types(), []):
         return None
-    location = find_head(Path(model_dir), config)
+    location = location or find_head(Path(model_dir), config)
     head = hook().mtp_build_head(model=model, config=config) if location.tensors or location.unusable else None
     if head is None:
         _warn(location)
@@ -131,7 +146,8 @@ def _warn_if_random(location: HeadLocation, validation: Validation) -> None:
                     verdict.evidence, round(100 * health.MIN_ACCEPTANCE), health.PROBE_DRAFTS)
 
 
-def attach_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead | None:
+def attach_head(model: nn.Module, model_dir: Path, config: dict, location: HeadLocation | None = None
+                ) -> LoadedHead | None:
     """Load the head of ``model_dir`` and keep it on ``model.mtp_head`` (a plain attribute, not a child).
 
     Norm conventions that the files leave open are kept open, read as stored, for the first prompt with enough
@@ -140,7 +156,7 @@ def attach_head(model: nn.Module, model_dir: Path, config: dict) -> LoadedHead |
     Never raises for a bad head: the trunk stays usable, the problem is logged once as a warning.
     """
     try:
-        model.mtp_head = load_head(model, model_dir, config)
+        model.mtp_head = load_head(model, model_dir, config, location)
         if model.mtp_head is not None:
             settle.attach(model.mtp_head)
             draft_vocab.attach(model, model.mtp_head)

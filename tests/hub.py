@@ -45,7 +45,8 @@ class Hub:
     ``/cdn/ID/PATH`` as the Hub sends LFS files to its CDN, which honours ``Range``). ``served`` counts the bytes of
     ``.safetensors`` files sent; ``ranges`` lists ``(path, first byte)`` of each safetensors GET. ``cut_after``: the
     next safetensors response of more bytes than that stops after that many bytes (the connection closes); ``refuse``:
-    safetensors GETs answer 403 after a cut. Use as a context manager.
+    safetensors GETs answer 403 after a cut; ``delay``: seconds before each safetensors body. Revisions: ``main`` and
+    ``COMMIT``; any other is not found. Use as a context manager.
     """
 
     COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -54,6 +55,7 @@ class Hub:
         self.repos, self.served, self.ranges = repos, 0, []
         self.cut_after: int | None = None
         self.refuse = self.cut = False
+        self.delay = 0.0  # seconds before each safetensors body
 
     def __enter__(self) -> Hub:
         import threading
@@ -73,6 +75,7 @@ def _handler(hub: Hub):
     import hashlib
     import json
     import re
+    import time
     from http.server import BaseHTTPRequestHandler
     from urllib.parse import unquote, urlparse
 
@@ -151,6 +154,7 @@ def _handler(hub: Hub):
                 headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
             if self.command == "GET":
                 hub.ranges.append((name, start))
+                time.sleep(hub.delay)
             if self.command == "GET" and hub.cut_after is not None and len(body) > hub.cut_after and not hub.cut:
                 hub.cut, hub.served = True, hub.served + hub.cut_after
                 self.send_response(status)
@@ -170,7 +174,10 @@ def _handler(hub: Hub):
 
         def do_GET(self):
             path = unquote(urlparse(self.path).path)
-            if match := re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/[^/]+", path):
+            revision = re.search(r"/(?:tree|revision|resolve)/([^/]+)", path)
+            if revision and revision[1] not in ("main", Hub.COMMIT):
+                self._send(404, {"X-Error-Code": "RevisionNotFound"}, b'{"error": "Invalid rev id"}')
+            elif match := re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/[^/]+", path):
                 self._tree(match[1])
             elif match := re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/[^/]+)?", path):
                 self._api(match[1])

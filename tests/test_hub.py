@@ -20,7 +20,8 @@ from mtp_plugin.commands.graft import graft
 
 ROOT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
 HF, MLX4 = ROOT / "hf", ROOT / "mlx-4bit"
-DONOR, RECIPIENT, HEADLESS, MISSHAPEN = ("tests/tiny", "tests/tiny-4bit", "tests/no-head", "tests/misshapen")
+DONOR, RECIPIENT, HEADLESS, MISSHAPEN, UNLISTED = ("tests/tiny", "tests/tiny-4bit", "tests/no-head", "tests/misshapen",
+                                                    "tests/unlisted")
 INDEX = "model.safetensors.index.json"
 
 
@@ -43,17 +44,20 @@ def shard(weights: dict, metadata: dict, folder: Path) -> None:
 @pytest.fixture(scope="module")
 def repos(tmp_path_factory):
     """Repo id → folder: the bundled checkpoint sharded (``DONOR``), its 4-bit conversion without the head and with
-    a model card naming ``DONOR`` (``RECIPIENT``), the donor without a head (``HEADLESS``) and with a head whose
-    ``fc`` is misshapen (``MISSHAPEN``)."""
+    a model card naming ``DONOR`` (``RECIPIENT``), the donor without a head (``HEADLESS``), with a head whose ``fc``
+    is misshapen (``MISSHAPEN``), and with its head in a file the index does not list (``UNLISTED``)."""
     root = tmp_path_factory.mktemp("hub")
     weights, metadata = mx.load(str(HF / "model.safetensors"), return_metadata=True)
     shard(weights, metadata, root / "donor")
     shard({k: v for k, v in weights.items() if not k.startswith("mtp.")}, metadata, root / "headless")
     shard({**weights, "mtp.fc.weight": weights["mtp.fc.weight"][:, :-8]}, metadata, root / "misshapen")
+    shard({k: v for k, v in weights.items() if not k.startswith("mtp.")}, metadata, root / "unlisted")
+    mx.save_safetensors(str(root / "unlisted" / "head.safetensors"),
+                        {k: v for k, v in weights.items() if k.startswith("mtp.")}, metadata)
     shutil.copytree(MLX4, root / "recipient", ignore=shutil.ignore_patterns("mtp.safetensors", "README.md"))
     (root / "recipient" / "README.md").write_text(f"---\nbase_model: {DONOR}\nlibrary_name: mlx\n---\n# tiny 4-bit\n")
     return {DONOR: root / "donor", RECIPIENT: root / "recipient", HEADLESS: root / "headless",
-            MISSHAPEN: root / "misshapen"}
+            MISSHAPEN: root / "misshapen", UNLISTED: root / "unlisted"}
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +87,24 @@ def local_graft(tmp_path_factory, local_recipient, repos):
     return out
 
 
-def cli(hub: Hub, home: Path, *args, offline: bool = False) -> subprocess.CompletedProcess:
-    """``mtp-plugin ARGS`` in a fresh process pointed at ``hub``, with ``home`` as huggingface_hub's home."""
+def start(hub: Hub, home: Path, *args, offline: bool = False, python: tuple = ("-m", "mtp_plugin")
+          ) -> subprocess.Popen:
+    """``mtp-plugin ARGS`` (or ``python ARGS``) started in a fresh process pointed at ``hub``, with ``home`` as
+    huggingface_hub's home."""
     env = environment(HF_ENDPOINT=hub.endpoint, HF_HOME=str(home), HF_HUB_CACHE=str(home / "hub"),
                       HF_HUB_OFFLINE="1" if offline else "0", HF_HUB_DISABLE_IMPLICIT_TOKEN="1",
                       HF_HUB_DISABLE_TELEMETRY="1")
     env.pop("HF_TOKEN", None)
-    return subprocess.run([sys.executable, "-m", "mtp_plugin", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=tempfile.gettempdir(), timeout=300)
+    return subprocess.Popen([sys.executable, *python, *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tempfile.gettempdir())
+
+
+def cli(hub: Hub, home: Path, *args, offline: bool = False, python: tuple = ("-m", "mtp_plugin")
+        ) -> subprocess.CompletedProcess:
+    """``mtp-plugin ARGS`` (or ``python ARGS``) run to its end (``start``)."""
+    process = start(hub, home, *args, offline=offline, python=python)
+    stdout, stderr = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def same_tree(a: Path, b: Path, without: tuple[str, ...] = ()) -> None:
@@ -130,6 +144,28 @@ def test_graft_from_the_hub_fetches_only_the_head_and_equals_a_local_graft(hub, 
                   offline=True)
     assert offline.returncode == 0, offline.stderr  # cached: no network needed
     same_tree(tmp_path / "c", local_graft)
+
+
+def test_concurrent_grafts_fetch_the_head_once(hub, home, tmp_path, repos, local_recipient, local_graft):
+    tensors, headers = head_bytes(repos[DONOR])
+    hub.served, hub.delay = 0, 0.3
+    try:
+        runs = [start(hub, home, "graft", "--recipient", local_recipient, "--donor", DONOR, "--out", tmp_path / n)
+                for n in ("a", "b")]
+        results = [run.communicate(timeout=300) for run in runs]
+    finally:
+        hub.delay = 0.0
+    assert [run.returncode for run in runs] == [0, 0], results
+    assert hub.served <= 1.25 * tensors + headers, (hub.served, tensors, headers)
+    same_tree(tmp_path / "a", local_graft)
+    same_tree(tmp_path / "b", local_graft)
+
+
+def test_a_head_in_a_file_the_index_does_not_list(hub, home, tmp_path, repos, local_recipient):
+    out = cli(hub, home, "graft", "--recipient", local_recipient, "--donor", UNLISTED, "--out", tmp_path / "hub")
+    assert out.returncode == 0, out.stderr
+    graft(local_recipient, repos[UNLISTED], tmp_path / "local")
+    same_tree(tmp_path / "hub", tmp_path / "local")
 
 
 def test_one_command_gives_a_hub_conversion_its_head(hub, home, tmp_path, local_graft):
@@ -174,6 +210,29 @@ def test_offline_without_the_head_cached_names_what_to_download(hub, home, tmp_p
     assert out.returncode == 1, out.stderr
     assert f"hf download {DONOR}" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert not (tmp_path / "grafted").exists()
+
+
+def test_offline_a_whole_checkpoint_in_the_cache_serves(hub, home, tmp_path, local_recipient, local_graft):
+    out = cli(hub, home, "-c", f"import huggingface_hub; huggingface_hub.snapshot_download({DONOR!r})", python=())
+    assert out.returncode == 0, out.stderr
+    hub.served = 0
+    out = cli(hub, home, "graft", "--recipient", local_recipient, "--donor", DONOR, "--out", tmp_path / "grafted",
+              offline=True)
+    assert out.returncode == 0 and hub.served == 0, out.stderr
+    same_tree(tmp_path / "grafted", local_graft)
+
+
+def test_a_revision_the_repo_lacks_names_it(hub, home, tmp_path, local_recipient):
+    out = cli(hub, home, "graft", "--recipient", local_recipient, "--donor", DONOR, "--revision", "v9", "--out",
+              tmp_path / "grafted")
+    assert out.returncode == 1 and f"{DONOR} at revision v9: cannot fetch config.json" in out.stderr, out.stderr
+    assert f"hf download {DONOR} --revision v9" in out.stderr and not (tmp_path / "grafted").exists()
+
+
+@pytest.mark.parametrize("donor", ["./missing/dir", "missing/head.safetensors"])
+def test_a_path_like_donor_stays_a_path(hub, home, tmp_path, local_recipient, donor):
+    out = cli(hub, home, "graft", "--recipient", local_recipient, "--donor", donor, "--out", tmp_path / "grafted")
+    assert out.returncode == 2 and "no such file or directory" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("repo,says", [(HEADLESS, f"{HEADLESS}: no MTP head tensors"),

@@ -217,9 +217,9 @@ def parser() -> argparse.ArgumentParser:
 
     graft = _command(sub, "graft", _graft, "give a head-less checkpoint the head of another (inputs never "
                      "written; the output directory must be new)", "recipient")
-    graft.add_argument("--recipient", type=Path, required=True,
+    graft.add_argument("--recipient", type=str, required=True,
                        help="model directory without a head, or a Hub repo id (downloaded as mlx-lm downloads it)")
-    graft.add_argument("--donor", type=Path, required=True, help="checkpoint directory or head file with a head, or "
+    graft.add_argument("--donor", type=str, required=True, help="checkpoint directory or head file with a head, or "
                        "a Hub repo id (only the head's bytes are fetched)")
     graft.add_argument("--revision", help="the Hub donor's branch, tag or commit (default: its main branch)")
     graft.add_argument("--out", type=Path, required=True,
@@ -231,7 +231,7 @@ def parser() -> argparse.ArgumentParser:
 
     extract = _command(sub, "extract", _extract, "take the head out of an original Hugging Face checkpoint "
                        "(writes only --out)", "hf")
-    extract.add_argument("--hf", type=Path, required=True, help="checkpoint directory carrying the head, or a Hub "
+    extract.add_argument("--hf", type=str, required=True, help="checkpoint directory carrying the head, or a Hub "
                          "repo id (only the head's bytes are fetched)")
     extract.add_argument("--revision", help="the Hub repo's branch, tag or commit (default: its main branch)")
     extract.add_argument("--out", type=Path, required=True,
@@ -283,12 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     On SIGTERM/SIGHUP the command's temporary files are removed, then the process ends by that signal.
     """
     args = parser().parse_args(argv)
-    directory = getattr(args, args.model_dir_arg)
-    local = args.model_dir_arg not in HUB_ARGS or not is_repo_id(directory)  # a Hub repo is checked once fetched
+    value = getattr(args, args.model_dir_arg)
+    directory = Path(value)
+    hub = args.model_dir_arg in HUB_ARGS
+    local = not hub or not is_repo_id(value)  # a Hub repo is checked once fetched
     if local and not (directory / "config.json").is_file():
         what = "not a directory" if not directory.is_dir() else "no config.json"
-        print(f"mtp-plugin: {directory}: {what}; pass a model directory{' or a Hub repo id' * (not local)}.",
-              file=sys.stderr)
+        print(f"mtp-plugin: {value}: {what}; pass a model directory"
+              f"{' or a Hub repo id (OWNER/NAME; --revision for a branch, tag or commit)' * hub}.", file=sys.stderr)
         return 2
     try:
         if local:  # an unreadable config.json or weights file is named here, before any runtime reads it

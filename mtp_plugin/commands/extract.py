@@ -9,7 +9,7 @@ from ..conventions import Contract
 from ..files import check_new_output
 from ..headfile import head_metadata, quantization_labels, quantize_head, write_atomically
 from ..hub.fetch import head_checkpoint, is_repo_id
-from ..usage import DEFAULT_BITS, DEFAULT_GROUP_SIZE, check_quantization
+from ..usage import DEFAULT_BITS, DEFAULT_GROUP_SIZE, UsageError, check_quantization
 from ..validation import validate
 
 
@@ -38,8 +38,13 @@ def extract(hf_dir: Path | str, out: Path, bits: int = DEFAULT_BITS, group_size:
     """
     check_quantization(bits, group_size)
     hub = is_repo_id(hf_dir)
+    if not hub and revision is not None:
+        raise UsageError(f"--revision {revision}: applies to a Hub repo, and --hf {hf_dir} is a local path")
     check_new_output(Path(out), [] if hub else [Path(hf_dir)], force)
-    hf_dir = head_checkpoint(str(hf_dir), revision) if hub else Path(hf_dir)
+    if hub:
+        hf_dir = head_checkpoint(str(hf_dir), revision)
+        check_new_output(Path(out), [hf_dir], force)  # not inside the fetched head's cache either
+    hf_dir = Path(hf_dir)
     location = find_head(Path(hf_dir))
     if not location.tensors:
         raise CheckpointError(f"{hf_dir}: no MTP head tensors in any file; extract from the original checkpoint")

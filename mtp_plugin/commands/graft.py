@@ -46,8 +46,8 @@ def check_donor(donor: Path) -> None:
         UsageError: no such file or directory, or a directory without config.json.
     """
     if not donor.exists():
-        raise UsageError(f"--donor {donor}: no such file or directory; pass a checkpoint directory or a head "
-                         ".safetensors file")
+        raise UsageError(f"--donor {donor}: no such file or directory; pass a checkpoint directory, a head "
+                         ".safetensors file or a Hub repo id (OWNER/NAME; --revision for a branch, tag or commit)")
     if donor.is_dir() and not (donor / "config.json").is_file():
         raise UsageError(f"--donor {donor}: a directory without config.json; pass a model directory or a head "
                          ".safetensors file")
@@ -105,6 +105,8 @@ def graft(recipient: Path | str, donor: Path | str, out: Path, layout: str = "ml
     hub_donor, hub_recipient = is_repo_id(donor), is_repo_id(recipient)
     if not hub_donor:
         check_donor(Path(donor))
+        if revision is not None:
+            raise UsageError(f"--revision {revision}: applies to a Hub donor, and --donor {donor} is a local path")
     out = Path(out)
     check_new_output(out, [Path(p) for p, hub in ((recipient, hub_recipient), (donor, hub_donor)) if not hub],
                      kind="directory")
@@ -119,6 +121,7 @@ def graft(recipient: Path | str, donor: Path | str, out: Path, layout: str = "ml
     if hub_donor:
         donor = head_checkpoint(str(donor), revision, lambda c: _refuse_mismatches(mismatches(config, c), force))
     donor = Path(donor)
+    check_new_output(out, [recipient, donor], kind="directory")  # a Hub input's files are in a cache: not there either
     source = donor_location(donor, config["model_type"])
     donor_config = source.config if donor.is_dir() else head_config({c: t.shape for c, t in source.tensors.items()})
     problems = mismatches(config, donor_config)

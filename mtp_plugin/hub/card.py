@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 PLACEHOLDER = "ORIGINAL/REPO"  # shown when no model card names the checkpoint's base model
@@ -42,8 +43,10 @@ def base_model(model_dir: Path, online: bool = False) -> str | None:
 
 def graft_command(model_dir: Path, online: bool = False) -> str:
     """``mtp-plugin graft --recipient R --donor D --out OUT`` for ``model_dir``: R its Hub repo id when it is a Hub
-    snapshot, else the directory; D its model card's base model (``base_model``), else ``PLACEHOLDER``."""
+    snapshot, else the directory; D its model card's base model (``base_model``), else ``PLACEHOLDER``; each quoted
+    for a POSIX shell."""
     origin = hub_origin(model_dir)
     recipient = origin[0] if origin else str(model_dir)
     donor = base_model(model_dir, online) or PLACEHOLDER
-    return f"mtp-plugin graft --recipient {recipient} --donor {donor} --out {Path(recipient).name}-mtp"
+    return (f"mtp-plugin graft --recipient {shlex.quote(recipient)} --donor {shlex.quote(donor)} "
+            f"--out {shlex.quote(Path(recipient).name + '-mtp')}")

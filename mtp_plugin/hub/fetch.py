@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint import INDEX, CheckpointError, head_files, head_tensors
+from ..checkpoint import INDEX, CheckpointError, find_head, head_files, head_tensors
+from ..files import user_mode
 from ..plugins import hook
 
 RETRIES = 5  # tries per byte range, each resuming where the last one stopped
@@ -28,12 +29,14 @@ class HubError(CheckpointError):
 
 
 def is_repo_id(value: str | Path) -> bool:
-    """True for ``OWNER/NAME`` (a valid Hub repo id) that is not an existing path: a path that exists stays a path."""
+    """True for ``OWNER/NAME`` (a valid Hub repo id) that cannot be meant as a path: it does not exist, does not
+    start with ``.`` or ``~``, names no ``.safetensors`` file, and OWNER is no local directory."""
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
     text = str(value)
-    if Path(text).exists() or text.count("/") != 1 or text.startswith((".", "~")):
+    if (Path(text).exists() or text.count("/") != 1 or text.startswith((".", "~")) or text.endswith(".safetensors")
+            or Path(text).parent.is_dir()):
         return False
     try:
         validate_repo_id(text)
@@ -94,10 +97,11 @@ def head_checkpoint(repo_id: str, revision: str | None = None, check_config=None
     """A local directory with the head of Hub repository ``repo_id`` (at ``revision``, default its main branch).
 
     Fetches config.json and the index (``hf_hub_download``), the header of each file that may hold head tensors
-    (``checkpoint.head_files``, or every top-level safetensors file without an index) and only the head tensors'
-    bytes (ranged GETs: streamed, retried, resumed, a progress bar in bytes). Kept under
-    ``heads_cache()/models--OWNER--NAME/COMMIT``: a second call fetches no tensor bytes, and works offline; a fetch
-    cut off resumes from its ``.part`` file.
+    (``checkpoint.head_files``, and every top-level safetensors file the index does not list) and only the head
+    tensors' bytes (ranged GETs: streamed, retried, resumed, a progress bar in bytes). Kept under
+    ``heads_cache()/models--OWNER--NAME/COMMIT`` (one process fetches at a time: a file lock): a second call fetches
+    no tensor bytes, and works offline; a fetch cut off resumes from its ``.part`` file. Offline, a snapshot of the
+    whole checkpoint in huggingface_hub's cache serves too.
 
     Args:
         check_config: called with the repository's config.json (a dict) before any tensor byte is fetched; may raise.
@@ -106,14 +110,15 @@ def head_checkpoint(repo_id: str, revision: str | None = None, check_config=None
         HubError: the repository, revision or a file cannot be fetched (offline without the head cached included), or
             no file holds head tensors.
     """
-    from huggingface_hub import HfApi, constants, hf_hub_download
+    from filelock import FileLock
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.file_download import repo_folder_name
 
-    where = repo_id if revision is None else f"{repo_id}@{revision}"
+    where = repo_id if revision is None else f"{repo_id} at revision {revision}"
     try:
         config_file = Path(hf_hub_download(repo_id, "config.json", revision=revision))
     except Exception as e:  # noqa: BLE001 - huggingface_hub raises many kinds; all mean the same here
-        raise HubError(_unreachable(where, "config.json (and it is no local path)", e)) from e
+        raise HubError(_unreachable(repo_id, revision, "config.json (and it is no local path)", e)) from e
     snapshot, commit = config_file.parent, config_file.parent.name
     config = json.loads(config_file.read_text())
     if check_config is not None:
@@ -122,26 +127,47 @@ def head_checkpoint(repo_id: str, revision: str | None = None, check_config=None
     if (folder / commit / "config.json").is_file():
         return folder / commit
     if constants.HF_HUB_OFFLINE:
-        raise HubError(_unreachable(where, "the head's tensors", "HF_HUB_OFFLINE is set and they are not cached"))
-    try:
-        files = {s.rfilename for s in HfApi().model_info(repo_id, revision=commit).siblings}
-        if INDEX in files:
-            hf_hub_download(repo_id, INDEX, revision=commit)
-        names = {f for f in head_files(snapshot) if f in files}
-        if INDEX not in files:
-            names |= {f for f in files if f.endswith(".safetensors") and "/" not in f}
-        sidecars = {p.relative_to(snapshot).as_posix() for found in
-                    hook().mtp_sidecar_paths(model_dir=snapshot, config=config) for p in found}
-        heads = [r for f in sorted(names) if (r := _remote_file(repo_id, commit, f, config, f in sidecars)).entries]
-        if not heads:
-            raise HubError(f"{where}: no MTP head tensors in {', '.join(sorted(names)) or 'any file'}; pick a donor "
-                           "that carries the head (the original checkpoint, e.g. the model card's base_model)")
-        parts = {r.name: _fetch(repo_id, commit, r, folder / "incomplete") for r in heads}
-    except HubError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise HubError(_unreachable(where, "the head", e)) from e
-    return _publish(folder, commit, snapshot, parts)
+        if find_head(snapshot, config).tensors:  # the whole checkpoint downloaded before
+            return snapshot
+        raise HubError(_unreachable(repo_id, revision, "the head's tensors",
+                                    "HF_HUB_OFFLINE is set and they are not cached"))
+    (folder / "incomplete").mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder / "incomplete" / f"{commit}.lock")):
+        if (folder / commit / "config.json").is_file():  # another process fetched it meanwhile
+            return folder / commit
+        try:
+            heads = _head_files(repo_id, commit, snapshot, config, where)
+            parts = {r.name: _fetch(repo_id, commit, r, folder / "incomplete") for r in heads}
+        except HubError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise HubError(_unreachable(repo_id, revision, "the head", e)) from e
+        return _publish(folder, commit, snapshot, parts)
+
+
+def _head_files(repo_id: str, commit: str, snapshot: Path, config: dict, where: str) -> list[RemoteFile]:
+    """The files of the repository that hold head tensors, from their headers (``_remote_file``).
+
+    Raises:
+        HubError: none does.
+    """
+    from huggingface_hub import HfApi, hf_hub_download
+
+    files = {s.rfilename for s in HfApi().model_info(repo_id, revision=commit).siblings}
+    listed = set()
+    if INDEX in files:
+        index = json.loads(Path(hf_hub_download(repo_id, INDEX, revision=commit)).read_text())
+        listed = set((index.get("weight_map") or {}).values()) if isinstance(index, dict) else set()
+    names = {f for f in head_files(snapshot) if f in files}
+    names |= {f for f in files if f.endswith(".safetensors") and "/" not in f and f not in listed}
+    sidecars = {p.relative_to(snapshot).as_posix() for found in
+                hook().mtp_sidecar_paths(model_dir=snapshot, config=config) for p in found}
+    heads = [r for f in sorted(names) if (r := _remote_file(repo_id, commit, f, config, f in sidecars)).entries]
+    if not heads:
+        read = ", ".join(sorted(names)) or "none: no safetensors file may hold them"
+        raise HubError(f"{where}: no MTP head tensors in the files that may hold them ({read}); pick a donor that "
+                       "carries the head (the original checkpoint, e.g. the model card's base_model)")
+    return heads
 
 
 def model_checkpoint(repo_id: str) -> Path:
@@ -156,13 +182,15 @@ def model_checkpoint(repo_id: str) -> Path:
     try:
         return Path(_download(repo_id))
     except Exception as e:  # noqa: BLE001
-        raise HubError(_unreachable(repo_id, "the model", e)) from e
+        raise HubError(_unreachable(repo_id, None, "the model", e)) from e
 
 
-def _unreachable(where: str, what: str, reason) -> str:
-    return (f"{where}: cannot fetch {what} ({reason}); check the repo id, revision and network (or HF_TOKEN for a "
-            f"gated repo); offline, run once online or download the checkpoint (`hf download {where.split('@')[0]}`) "
-            "and pass its directory")
+def _unreachable(repo_id: str, revision: str | None, what: str, reason) -> str:
+    at = "" if revision is None else f" at revision {revision}"
+    download = f"hf download {repo_id}" + ("" if revision is None else f" --revision {revision}")
+    return (f"{repo_id}{at}: cannot fetch {what} ({reason}); check the repo id, revision and network (or HF_TOKEN for "
+            f"a gated repo); offline, run once online or download the checkpoint (`{download}`) and pass its "
+            "directory")
 
 
 def _remote_file(repo_id: str, commit: str, name: str, config: dict, sidecar: bool) -> RemoteFile:
@@ -216,6 +244,11 @@ def _fetch(repo_id: str, commit: str, remote: RemoteFile, incomplete: Path) -> P
                 if done < end - start:
                     _stream(url, f.write, start + done, end, bar)
                 done = max(done - (end - start), 0)
+        got = f.tell() - len(header)
+        if got != remote.nbytes:
+            f.truncate(0)
+            raise HubError(f"{repo_id}: fetched {got} bytes of the head in {remote.name}, expected {remote.nbytes}; "
+                           "run the command again")
     return path
 
 
@@ -234,8 +267,9 @@ def _stream(url: str, write, start: int, end: int, bar=None) -> None:
             with http_stream_backoff("GET", url, headers=headers, retry_on_exceptions=()) as response:
                 hf_raise_for_status(response)
                 if response.status_code != 206:
-                    raise HubError(f"{url}: the server ignored a Range request (status {response.status_code}); "
-                                   "the head cannot be fetched alone from it")
+                    raise HubError(f"{url}: the server ignored a Range request (status {response.status_code}), "
+                                   "so the head cannot be fetched alone from it; download the repository (`hf "
+                                   "download OWNER/NAME`) and pass its directory")
                 for chunk in response.iter_bytes():
                     write(chunk[: end - start])
                     start += len(chunk)
@@ -253,7 +287,11 @@ def _stream(url: str, write, start: int, end: int, bar=None) -> None:
 
 def _transient(error: Exception) -> bool:
     """A network failure to resume after: the HTTP client's transport errors (httpx's ``TransportError``, by name,
-    since huggingface_hub's client library changed its package name) or an OS-level one."""
+    since huggingface_hub's client library changed its package name) or an OS-level one; never an HTTP status."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(error, HfHubHTTPError):
+        return False
     return isinstance(error, OSError) or any(c.__name__ == "TransportError" for c in type(error).__mro__)
 
 
@@ -268,6 +306,7 @@ def _publish(folder: Path, commit: str, snapshot: Path, parts: dict[str, Path]) 
         for name, part in parts.items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             os.replace(part, tmp / name)
+        os.chmod(tmp, user_mode(directory=True))
         os.rename(tmp, folder / commit)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
