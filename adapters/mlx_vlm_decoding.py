@@ -262,7 +262,8 @@ def mtp_generate_step(generate_step, ar, captured: dict[str, bool]):
 
 
 class _ParserWithMTPFlags(argparse.ArgumentParser):
-    """An ``argparse.ArgumentParser`` that carries ``--mtp-depth`` / ``--no-mtp`` from its construction."""
+    """An ``argparse.ArgumentParser`` that carries the MTP flags (``--mtp-depth``, ``--no-mtp``, ``--[no-]mtp-lookup``)
+    from its construction."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

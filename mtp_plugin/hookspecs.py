@@ -2,7 +2,7 @@
 
 Built-in support (in ``families/``: Qwen3.5/3.6/3.8 and Qwen3-Next, DeepSeek-V3-style next-n heads; the
 mlx-lm and mlx-vlm adapters) implements these hooks exactly as a third-party plugin registered under the
-``mtp_plugin`` entry-point group would; the README's "Writing a family plugin" lists what a family provides.
+``mtp_plugin`` entry-point group would; docs/plugins.md lists what a family provides.
 ``firstresult`` hooks answer "who handles this"; the others collect from every plugin.
 """
 
