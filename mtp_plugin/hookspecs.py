@@ -14,6 +14,12 @@ hookspec = pluggy.HookspecMarker("mtp_plugin")
 hookimpl = pluggy.HookimplMarker("mtp_plugin")
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Families: which checkpoints carry a head, where its tensors are, how they map onto the head module, and how the
+# trunk is read and rolled back. A family answers None (firstresult) or [] for a model type it does not handle.
+# --------------------------------------------------------------------------------------------------------------------
+
+
 @hookspec
 def mtp_model_types() -> list[str]:
     """Model types (config.json ``model_type``) whose checkpoints may carry a head this plugin handles."""
@@ -35,16 +41,6 @@ def mtp_head_name(name: str, model_type: str, sidecar: bool, config: dict | None
 @hookspec
 def mtp_sidecar_paths(model_dir, config: dict) -> list:
     """Paths (``pathlib.Path``) beside the trunk shards that may hold a head, whether they exist or not."""
-
-
-@hookspec(firstresult=True)
-def mtp_read_tensor_names(path) -> tuple[dict, dict] | None:
-    """Header of a weights file as ``({name: (shape, dtype)}, metadata)`` without reading data, or None."""
-
-
-@hookspec(firstresult=True)
-def mtp_load_sidecar(path, names: list[str]) -> dict | None:
-    """The tensors ``names`` of weights file ``path`` as ``{name: mx.array}``, or None if the format is not handled."""
 
 
 @hookspec(firstresult=True)
@@ -73,13 +69,6 @@ def mtp_stored_norm_convention(config: dict, shapes: dict, pytorch: bool) -> tup
 
 
 @hookspec(firstresult=True)
-def mtp_layer_sanitize(model_type: str, config: dict, weights: dict) -> dict | None:
-    """One decoder layer's ``weights`` (names under ``model.layers.0.``) in the runtime's layout, by the runtime's own
-    ``sanitize`` of ``model_type`` (experts stacked, MLA's ``kv_b_proj`` split, FP8 blocks dequantized); None when no
-    installed runtime has that model type. Raises ``KeyError`` where that ``sanitize`` misses a tensor it needs."""
-
-
-@hookspec(firstresult=True)
 def mtp_build_head(model, config: dict):
     """A float, unloaded ``mlx.nn.Module`` head built from trunk ``model``'s own layer classes, or None.
 
@@ -92,37 +81,8 @@ def mtp_build_head(model, config: dict):
 
 
 @hookspec(firstresult=True)
-def mtp_build_model(config: dict):
-    """An unloaded model of the runtime's own class for ``config`` (a config.json), as the runtime builds it before
-    reading weights, or None when no installed runtime has its model type. mlx builds arrays lazily: nothing is
-    allocated. ``validation.expected_head`` passes it to ``mtp_build_head`` to know every parameter of the head
-    (names, shapes, input widths) without loading the trunk."""
-
-
-@hookspec(firstresult=True)
-def mtp_load_model(model_dir):
-    """``(model, tokenizer)`` loaded by a runtime (with its head attached), or None if no runtime is installed."""
-
-
-@hookspec(firstresult=True)
-def mtp_decode(model, prompt: list, max_tokens: int, depth):
-    """Greedy token ids (an iterator of int) from the runtime's own generation loop, or None if no runtime handles
-    ``model``. ``depth``: None for stock decoding without MTP, 0 for the default decoding (adaptive depth, drafts from
-    the context too), 1..8 for the head alone at a fixed draft depth, or a depth policy object
-    (``decoding.DepthPolicy``). Counters land on ``model.mtp_head.stats``."""
-
-
-@hookspec(firstresult=True)
-def mtp_new_caches(model) -> tuple | None:
-    """``(trunk_caches, head_cache)``: fresh runtime caches for ``model``'s trunk and its head, or None."""
-
-
-@hookspec
-def mtp_reference_decoders(model_dir, dtype) -> list:
-    """Decoders to compare against on ``model_dir`` (weights cast to ``dtype``, an ``mx.Dtype`` or None): other
-    runtimes' own MTP decoders, and this plugin's decoding where the bench's own rows cannot show it (another
-    runtime's media prompts); each item a ``ReferenceDecoder`` (see ``commands/bench.py``) or a one-line string
-    saying why that runtime cannot run it."""
+def mtp_trunk(model, contract):
+    """The decoding loop's view of trunk ``model`` (``hidden``/``embed``/``logits``, see ``decoding.Trunk``)."""
 
 
 @hookspec
@@ -134,9 +94,59 @@ def mtp_capture_points(runtime: str) -> list:
     trunk caches are all trimmable (attention-only: KV caches) lists nothing and is rolled back by trimming."""
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Weights files: the built-in plugin reads safetensors; a plugin may add another format.
+# --------------------------------------------------------------------------------------------------------------------
+
+
 @hookspec(firstresult=True)
-def mtp_trunk(model, contract):
-    """The decoding loop's view of trunk ``model`` (``hidden``/``embed``/``logits``, see ``decoding.Trunk``)."""
+def mtp_read_tensor_names(path) -> tuple[dict, dict] | None:
+    """Header of a weights file as ``({name: (shape, dtype)}, metadata)`` without reading data, or None."""
+
+
+@hookspec(firstresult=True)
+def mtp_load_sidecar(path, names: list[str]) -> dict | None:
+    """The tensors ``names`` of weights file ``path`` as ``{name: mx.array}``, or None if the format is not handled."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Runtime adapters: one per runtime (mlx-lm, mlx-vlm); the only code that knows a runtime's internals.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def mtp_patch_runtime(runtime: str | None) -> None:
+    """Install this plugin's patches for ``runtime`` (an imported module name such as ``"mlx_lm"``; None: all)."""
+
+
+@hookspec
+def mtp_unpatch_runtime() -> None:
+    """Remove this plugin's runtime patches, restoring stock behaviour (idempotent)."""
+
+
+@hookspec(firstresult=True)
+def mtp_build_model(config: dict):
+    """An unloaded model of the runtime's own class for ``config`` (a config.json), as the runtime builds it before
+    reading weights, or None when no installed runtime has its model type. mlx builds arrays lazily: nothing is
+    allocated. ``validation.expected_head`` passes it to ``mtp_build_head`` to know every parameter of the head
+    (names, shapes, input widths) without loading the trunk."""
+
+
+@hookspec(firstresult=True)
+def mtp_layer_sanitize(model_type: str, config: dict, weights: dict) -> dict | None:
+    """One decoder layer's ``weights`` (names under ``model.layers.0.``) in the runtime's layout, by the runtime's own
+    ``sanitize`` of ``model_type`` (experts stacked, MLA's ``kv_b_proj`` split, FP8 blocks dequantized); None when no
+    installed runtime has that model type. Raises ``KeyError`` where that ``sanitize`` misses a tensor it needs."""
+
+
+@hookspec(firstresult=True)
+def mtp_load_model(model_dir):
+    """``(model, tokenizer)`` loaded by a runtime (with its head attached), or None if no runtime is installed."""
+
+
+@hookspec(firstresult=True)
+def mtp_new_caches(model) -> tuple | None:
+    """``(trunk_caches, head_cache)``: fresh runtime caches for ``model``'s trunk and its head, or None."""
 
 
 @hookspec(firstresult=True)
@@ -148,11 +158,22 @@ def mtp_generate_step(prompt, model, options: dict):
     multimodal positions)."""
 
 
-@hookspec
-def mtp_patch_runtime(runtime: str | None) -> None:
-    """Install this plugin's patches for ``runtime`` (an imported module name such as ``"mlx_lm"``; None: all)."""
+@hookspec(firstresult=True)
+def mtp_decode(model, prompt: list, max_tokens: int, depth):
+    """Greedy token ids (an iterator of int) from the runtime's own generation loop, or None if no runtime handles
+    ``model``. ``depth``: None for stock decoding without MTP, 0 for the default decoding (adaptive depth, drafts from
+    the context too), 1..8 for the head alone at a fixed draft depth, or a depth policy object
+    (``decoding.DepthPolicy``). Counters land on ``model.mtp_head.stats``."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Benchmark: what `mtp-plugin bench` compares against.
+# --------------------------------------------------------------------------------------------------------------------
 
 
 @hookspec
-def mtp_unpatch_runtime() -> None:
-    """Remove this plugin's runtime patches, restoring stock behaviour (idempotent)."""
+def mtp_reference_decoders(model_dir, dtype) -> list:
+    """Decoders to compare against on ``model_dir`` (weights cast to ``dtype``, an ``mx.Dtype`` or None): other
+    runtimes' own MTP decoders, and this plugin's decoding where the bench's own rows cannot show it (another
+    runtime's media prompts); each item a ``ReferenceDecoder`` (see ``commands/bench.py``) or a one-line string
+    saying why that runtime cannot run it."""
