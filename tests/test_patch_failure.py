@@ -1,6 +1,6 @@
 """A patch error never breaks the host program: a real third-party plugin, registered through the
-``mtp_plugin`` entry-point group, whose ``mtp_patch_runtime`` raises; ``mlx_lm.generate`` must still
-run, stock, with one warning."""
+``mtp_plugin`` entry-point group, whose ``mtp_patch_runtime`` raises is disabled alone, with one warning naming it;
+``mlx_lm.generate`` runs with the built-in MTP as without that plugin (``plugins._guarded``)."""
 
 import pytest
 from console_runs import BIN, MLX4, PATCH_FAILED, Generation, console, generate_args, run
@@ -30,11 +30,13 @@ def install_broken_plugin(path, options: str):
     "",  # pluggy calls plugins registered later first: before the built-in adapters patch anything
     "trylast=True",  # it raises after the built-in adapters have patched: their patches must be undone
 ], ids=["before-adapters", "after-adapters"])
-def test_failing_plugin_leaves_mlx_lm_generate_stock(tmp_path, options):
+def test_failing_plugin_is_disabled_alone(tmp_path, options):
     plugins = install_broken_plugin(tmp_path, options)
     out = run([BIN / "mlx_lm.generate", *generate_args(MLX4)], PYTHONPATH=str(plugins))
-    assert "RuntimeError: broken plugin: cannot patch mlx_lm" in out.stderr  # the plugin was loaded and raised
-    assert out.stderr.count(PATCH_FAILED) == 1
+    warnings = [line for line in out.stderr.splitlines() if "plugin 'broken'" in line]
+    assert len(warnings) == 1, out.stderr
+    assert "raised from mtp_patch_runtime (RuntimeError: broken plugin: cannot patch mlx_lm)" in warnings[0]
+    assert PATCH_FAILED not in out.stderr
     generation = Generation.parse(out)
-    assert generation.stock, generation.stderr[-2000:]
-    assert generation.stdout == console(MLX4, disabled=True).stdout  # timing figures masked
+    assert generation.mtp is not None and int(generation.mtp[2]) > 0, out.stdout  # the built-in MTP drafted
+    assert generation.text == console(MLX4).text
