@@ -26,6 +26,7 @@ from ..head import MTPHead
 from ..hookspecs import hookimpl
 from ..plugins import hook
 from ..trunk import trunk_parts
+from . import for_model_types
 
 MODEL_TYPES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
 LAYER_PREFIXES = ("model.layers.{n}.", "language_model.model.layers.{n}.", "model.language_model.layers.{n}.")
@@ -57,11 +58,10 @@ def _canonical(rest: str) -> str | None:
 
 
 @hookimpl
+@for_model_types(MODEL_TYPES)
 def mtp_head_name(name, model_type, sidecar, config):
     """``model.layers.{N}.…`` (N from ``config``; VLM prefix forms too), canonical names under ``mtp.``, and
     bare names (either form) inside a sidecar."""
-    if model_type not in MODEL_TYPES:
-        return None
     if config is not None:
         n = text_config(config).get("num_hidden_layers")
         for form in LAYER_PREFIXES:
@@ -99,11 +99,10 @@ def _runtime_sanitize(model_type: str, config: dict, layer: dict) -> dict:
 
 
 @hookimpl
+@for_model_types(MODEL_TYPES)
 def mtp_sanitize_head(weights, config):
     """Drop the duplicated trunk tensors; put the layer in mlx-lm's layout with mlx-lm's own ``sanitize``."""
     model_type = config.get("model_type")
-    if model_type not in MODEL_TYPES:
-        return None
     kept = {k: v for k, v in weights.items() if not k.startswith(COPIES)}
     layer = {k: v for k, v in kept.items() if k.startswith("layers.0.")}
     if not any(".experts." in k or ".kv_b_proj." in k or k.endswith("_scale_inv") for k in layer):
@@ -113,10 +112,11 @@ def mtp_sanitize_head(weights, config):
 
 
 @hookimpl
+@for_model_types(MODEL_TYPES)
 def mtp_build_head(model, config):
     """An MTPHead whose layer is a fresh decoder layer of the trunk's own class at index ``num_hidden_layers`` (so
     MoE or dense as DeepSeek-V3's ``first_k_dense_replace`` / ``moe_layer_freq`` rules place it)."""
-    if config.get("model_type") not in MODEL_TYPES or not hasattr(getattr(model, "model", None), "layers"):
+    if not hasattr(getattr(model, "model", None), "layers"):
         return None
     text_model, args = trunk_parts(model)
     layer = type(text_model.layers[0])(args, args.num_hidden_layers)
@@ -131,11 +131,10 @@ def _attention_norms(text: dict) -> list[str]:
 
 
 @hookimpl
+@for_model_types(MODEL_TYPES)
 def mtp_norm_roles(config):
     """enorm sees raw embeddings as the first layer's input norm does; hnorm and shared_head.norm play the final
     norm's role; the layer's own norms those of every trunk layer."""
-    if config.get("model_type") not in MODEL_TYPES:
-        return None
     roles = {
         "pre_fc_norm_embedding.weight": "layers.0.input_layernorm.weight",
         "pre_fc_norm_hidden.weight": "norm.weight",
@@ -147,9 +146,8 @@ def mtp_norm_roles(config):
 
 
 @hookimpl
+@for_model_types(MODEL_TYPES)
 def mtp_stored_norm_convention(config, shapes, pytorch):
     """The modelling code of these model types (DeepSeek-V3's reference and mlx-lm's) uses RMSNorm weights as
     stored, in the original layout and in conversions alike."""
-    if config.get("model_type") not in MODEL_TYPES:
-        return None
     return ABSOLUTE, "a DeepSeek-V3-style checkpoint (absolute RMSNorm scales in every layout)"

@@ -14,6 +14,7 @@ from ..conventions import ABSOLUTE, ZERO_CENTRED
 from ..head import MTPHead
 from ..hookspecs import hookimpl
 from ..trunk import trunk_parts
+from . import for_model_types
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 PREFIXES = ("language_model.model.mtp.", "model.language_model.mtp.", "language_model.mtp.", "model.mtp.", "mtp.")
@@ -41,10 +42,9 @@ def mtp_capture_points(runtime):
 
 
 @hookimpl
+@for_model_types(MODEL_TYPES)
 def mtp_head_name(name, model_type, sidecar):
     """Strip any known head prefix; bare names only inside a sidecar."""
-    if model_type not in MODEL_TYPES:
-        return None
     for prefix in PREFIXES:
         if name.startswith(prefix):
             return name[len(prefix):]
@@ -54,10 +54,9 @@ def mtp_head_name(name, model_type, sidecar):
 
 
 @hookimpl
+@for_model_types(MODEL_TYPES)
 def mtp_sanitize_head(weights, config):
     """Stack per-expert MoE tensors and split fused ``gate_up_proj`` into ``switch_mlp`` form."""
-    if config.get("model_type") not in MODEL_TYPES:
-        return None
     import mlx.core as mx
 
     out, experts = {}, {}
@@ -80,12 +79,13 @@ def mtp_sanitize_head(weights, config):
 
 
 @hookimpl
+@for_model_types(MODEL_TYPES)
 def mtp_build_head(model, config):
     """An MTPHead whose decoder layer is a fresh full-attention layer of the trunk's own class; None for a
     model that is not a runtime's Qwen3.5-family class (e.g. mlx-lm's ``load_model(get_model_classes=…)``
     building the caller's own class): it is left as built."""
     outer = getattr(model, "language_model", model)
-    if config.get("model_type") not in MODEL_TYPES or not hasattr(getattr(outer, "model", None), "layers"):
+    if not hasattr(getattr(outer, "model", None), "layers"):
         return None
     text_model, args = trunk_parts(model)
     index = next(i for i, layer in enumerate(text_model.layers) if not layer.is_linear)
@@ -95,10 +95,9 @@ def mtp_build_head(model, config):
 
 
 @hookimpl
+@for_model_types(MODEL_TYPES)
 def mtp_norm_roles(config):
     """The first layer's input norm also sees raw embeddings; the final norm feeds the head's hidden."""
-    if config.get("model_type") not in MODEL_TYPES:
-        return None
     return {
         "pre_fc_norm_embedding.weight": "layers.0.input_layernorm.weight",
         "pre_fc_norm_hidden.weight": "norm.weight",
@@ -111,11 +110,10 @@ def mtp_norm_roles(config):
 
 
 @hookimpl
+@for_model_types(MODEL_TYPES)
 def mtp_stored_norm_convention(config, shapes, pytorch):
     """The original (Hugging Face layout) checkpoint, written by PyTorch, with ``model.language_model.*`` names or
     conv1d weights (C, 1, K), keeps zero-centred norms (the runtime adds 1); an MLX conversion absolute ones."""
-    if config.get("model_type") not in MODEL_TYPES:
-        return None
     if pytorch:
         return ZERO_CENTRED, "the original checkpoint"
     if any(n.startswith(HF_STACK) or (n.endswith("conv1d.weight") and shape[-1] != 1) for n, shape in shapes.items()):
