@@ -17,6 +17,14 @@ import mlx.nn as nn
 
 from .conventions import Contract
 
+NORM_ROLES = {  # MTPHead's norms -> the trunk norms with the same role (``mtp_norm_roles``), for every family using it
+    "pre_fc_norm_embedding.weight": "layers.0.input_layernorm.weight",  # sees raw embeddings, as layer 0's input norm
+    "pre_fc_norm_hidden.weight": "norm.weight",  # the final norm's role
+    "norm.weight": "norm.weight",
+    "layers.0.input_layernorm.weight": "input_layernorm.weight",
+    "layers.0.post_attention_layernorm.weight": "post_attention_layernorm.weight",
+}
+
 
 class MTPHead(nn.Module):
     """One-layer MTP head.

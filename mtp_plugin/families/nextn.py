@@ -22,7 +22,7 @@ from __future__ import annotations
 from ..checkpoint import CheckpointError
 from ..compat import text_config
 from ..conventions import ABSOLUTE
-from ..head import MTPHead
+from ..head import NORM_ROLES, MTPHead
 from ..hookspecs import hookimpl
 from ..plugins import hook
 from ..trunk import trunk_parts
@@ -135,14 +135,7 @@ def _attention_norms(text: dict) -> list[str]:
 def mtp_norm_roles(config):
     """enorm sees raw embeddings as the first layer's input norm does; hnorm and shared_head.norm play the final
     norm's role; the layer's own norms those of every trunk layer."""
-    roles = {
-        "pre_fc_norm_embedding.weight": "layers.0.input_layernorm.weight",
-        "pre_fc_norm_hidden.weight": "norm.weight",
-        "norm.weight": "norm.weight",
-        "layers.0.input_layernorm.weight": "input_layernorm.weight",
-        "layers.0.post_attention_layernorm.weight": "post_attention_layernorm.weight",
-    }
-    return roles | {f"layers.0.{n}": n for n in _attention_norms(text_config(config))}
+    return NORM_ROLES | {f"layers.0.{n}": n for n in _attention_norms(text_config(config))}
 
 
 @hookimpl

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from ..conventions import ABSOLUTE, ZERO_CENTRED
-from ..head import MTPHead
+from ..head import NORM_ROLES, MTPHead
 from ..hookspecs import hookimpl
 from ..trunk import trunk_parts
 from . import for_model_types
@@ -98,15 +98,8 @@ def mtp_build_head(model, config):
 @for_model_types(MODEL_TYPES)
 def mtp_norm_roles(config):
     """The first layer's input norm also sees raw embeddings; the final norm feeds the head's hidden."""
-    return {
-        "pre_fc_norm_embedding.weight": "layers.0.input_layernorm.weight",
-        "pre_fc_norm_hidden.weight": "norm.weight",
-        "norm.weight": "norm.weight",
-        "layers.0.input_layernorm.weight": "input_layernorm.weight",
-        "layers.0.post_attention_layernorm.weight": "post_attention_layernorm.weight",
-        "layers.0.self_attn.q_norm.weight": "self_attn.q_norm.weight",
-        "layers.0.self_attn.k_norm.weight": "self_attn.k_norm.weight",
-    }
+    return NORM_ROLES | {"layers.0.self_attn.q_norm.weight": "self_attn.q_norm.weight",
+                         "layers.0.self_attn.k_norm.weight": "self_attn.k_norm.weight"}
 
 
 @hookimpl
