@@ -99,6 +99,14 @@ def mtp_build_model(config):
 
 
 @hookimpl
+def mtp_download_model(repo_id):
+    """``mlx_lm.utils._download``: mlx-lm's file patterns and huggingface_hub's cache (the head's files too)."""
+    from mlx_lm.utils import _download
+
+    return _download(repo_id)
+
+
+@hookimpl
 def mtp_load_model(model_dir):
     """``mlx_lm.load`` (patched, so the head is attached)."""
     from mlx_lm import load

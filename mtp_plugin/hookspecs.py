@@ -140,6 +140,12 @@ def mtp_layer_sanitize(model_type: str, config: dict, weights: dict) -> dict | N
 
 
 @hookspec(firstresult=True)
+def mtp_download_model(repo_id: str):
+    """The local directory of Hub model ``repo_id``, downloaded as the runtime downloads a model (its files, its
+    cache), or None if no runtime is installed. Raises what the download raises."""
+
+
+@hookspec(firstresult=True)
 def mtp_load_model(model_dir):
     """``(model, tokenizer)`` loaded by a runtime (with its head attached), or None if no runtime is installed."""
 

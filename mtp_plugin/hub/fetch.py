@@ -171,18 +171,19 @@ def _head_files(repo_id: str, commit: str, snapshot: Path, config: dict, where: 
 
 
 def model_checkpoint(repo_id: str) -> Path:
-    """The local directory of Hub model ``repo_id``, downloaded as mlx-lm downloads a model (``mlx_lm.utils._download``:
-    its file patterns, huggingface_hub's cache and offline rules).
+    """The local directory of Hub model ``repo_id``, downloaded as the runtime downloads a model
+    (``mtp_download_model``: mlx-lm's file patterns, huggingface_hub's cache and offline rules).
 
     Raises:
-        HubError: it cannot be downloaded (offline and not cached included).
+        HubError: it cannot be downloaded (offline and not cached included), or no runtime is installed.
     """
-    from mlx_lm.utils import _download
-
     try:
-        return Path(_download(repo_id))
+        path = hook().mtp_download_model(repo_id=repo_id)
     except Exception as e:  # noqa: BLE001
         raise HubError(_unreachable(repo_id, None, "the model", e)) from e
+    if path is None:
+        raise HubError(f"{repo_id}: no installed runtime downloads models; install mlx-lm")
+    return Path(path)
 
 
 def _unreachable(repo_id: str, revision: str | None, what: str, reason) -> str:
