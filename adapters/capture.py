@@ -44,7 +44,7 @@ import threading
 
 import mlx.core as mx
 
-from mtp_plugin import rollback
+from mtp_plugin.decoding import rollback
 from mtp_plugin.plugins import hook
 
 

@@ -1,12 +1,9 @@
 """mlx-lm adapter, continuous batching: MTP cycles inside mlx-lm's own ``BatchGenerator``.
 
-For a model with a usable head (or, with ``--mtp-lookup``, none), the server's ``BatchGenerator`` gets
-``batching_model(model)``; mlx-lm's scheduling is untouched and, for such a generator's batches only,
-``PromptProcessingBatch.prompt`` also feeds each row's head its prompt, ``PromptProcessingBatch.generate`` builds an
-``MTPGenerationBatch``, whose ``next`` runs one batched cycle (``mtp_plugin.batching``) with the rows' drafts decided
-together (``mtp_plugin.scheduler``) and answers one mlx-lm ``Response`` per token, with mlx-lm's stop and length
-rules. A finished row's cache holds exactly the tokens its response reports; logits processors see what mlx-lm's
-``GenerationBatch`` shows them. How and why: docs/mlx-lm-server.md.
+A server generator built by ``batching_model(model)`` keeps mlx-lm's scheduling; its prompt batches also feed each
+row's head, and its generation batch is an ``MTPGenerationBatch``: each ``next`` runs one batched cycle
+(``mtp_plugin.decoding.batch``) with the rows' drafts decided together (``mtp_plugin.decoding.scheduler``) and answers
+mlx-lm ``Response``s with mlx-lm's stop and length rules. Design: docs/mlx-lm-server.md.
 """
 
 from __future__ import annotations
@@ -20,18 +17,18 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mtp_plugin.batching import BatchDrafter, Row, Step
-from mtp_plugin.controller import PLAIN, DepthController
-from mtp_plugin.decoding import DEFAULT_DEPTH, MAX_DEPTH
-from mtp_plugin.drafter import Drafter, PendingPairs
-from mtp_plugin.health import HeadHealth
-from mtp_plugin.lockstep import NONE, Lockstep, LockstepError, group_of
-from mtp_plugin.lookup import lookup_policy, sampled_prior
-from mtp_plugin.options import command_line
+from mtp_plugin.decoding.batch import BatchDrafter, Row, Step
+from mtp_plugin.decoding.controller import PLAIN, DepthController
+from mtp_plugin.decoding.drafter import Drafter, PendingPairs
+from mtp_plugin.decoding.lockstep import NONE, Lockstep, LockstepError, group_of
+from mtp_plugin.decoding.lookup import lookup_policy, sampled_prior
+from mtp_plugin.decoding.options import command_line
+from mtp_plugin.decoding.scheduler import Chain, CostTable, Decision, RowState, costs_of, plan, pricing
+from mtp_plugin.decoding.single import DEFAULT_DEPTH, MAX_DEPTH
+from mtp_plugin.decoding.stats import MTPStats
+from mtp_plugin.decoding.trunk import LogitsTrunk
+from mtp_plugin.head.health import HeadHealth
 from mtp_plugin.plugins import hook
-from mtp_plugin.scheduler import Chain, CostTable, Decision, RowState, costs_of, plan, pricing
-from mtp_plugin.stats import MTPStats
-from mtp_plugin.trunk import LogitsTrunk
 from mtp_plugin.tuning import start_depth
 
 from .capture import rollback_ready
@@ -475,7 +472,7 @@ class MTPGenerationBatch:
                 return self._plain(ctx, policy, start)
             if self.ahead is not None:  # leave pipelined plain steps: emit the queued tokens, draft next call
                 self.asked = depths
-                return self._settle(ctx)
+                return self._flush_plain(ctx)
             auto = [d for row, d in zip(self.rows, decisions, strict=True) if row.depth is None]
             if auto and all(d.lookup for d in auto):
                 self.asked = depths  # the policy's depth did not run: it stands for the next cycle
@@ -557,7 +554,7 @@ class MTPGenerationBatch:
         finished = [self._end(i, t) for i, t in enumerate(tokens)]
         return self._respond(ctx, [[t] for t in tokens], step.logprobs[:, None], finished)
 
-    def _settle(self, ctx: BatchContext) -> list:
+    def _flush_plain(self, ctx: BatchContext) -> list:
         """Emit the queued plain step's tokens without queueing another: every row's ``last`` is unfed again."""
         step, self.ahead = self.ahead, None
         tokens = self._take(step)

@@ -23,14 +23,13 @@ import inspect
 import logging
 import sys
 
-from mtp_plugin.decoding import MAX_DEPTH
-from mtp_plugin.lockstep import Lockstep, group_of
-from mtp_plugin.lookup import MAX_LOOKUP, lookup_policy, sampled_prior
-from mtp_plugin.options import MTPOptions, command_line, resolve, set_command_line
+from mtp_plugin.decoding.lockstep import Lockstep, group_of
+from mtp_plugin.decoding.lookup import MAX_LOOKUP, lookup_policy, sampled_prior
+from mtp_plugin.decoding.options import MTPOptions, command_line, depth_policy, resolve, set_command_line
+from mtp_plugin.decoding.scheduler import costs_of
+from mtp_plugin.decoding.single import MAX_DEPTH
+from mtp_plugin.decoding.stats import MTPStats
 from mtp_plugin.plugins import hook
-from mtp_plugin.scheduler import costs_of
-from mtp_plugin.stats import MTPStats
-from mtp_plugin.tuning import depth_policy
 
 from .capture import rollback_ready
 from .mlx_lm_sampling import SAMPLINGS
@@ -57,7 +56,7 @@ def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured
     draws position-keyed (``Sampling.with_coupling``): a seed fixes its tokens whatever it drafts.
 
     Raises:
-        ValueError: a bad ``mtp_depth`` (``tuning.depth_policy``) or ``mtp_lookup`` (``lookup.lookup_policy``).
+        ValueError: a bad ``mtp_depth`` (``options.depth_policy``) or ``mtp_lookup`` (``lookup.lookup_policy``).
     """
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 

@@ -15,7 +15,7 @@ import functools
 import logging
 from pathlib import Path
 
-from mtp_plugin.checkpoint import head_files
+from mtp_plugin.loading.checkpoint import head_files
 
 log = logging.getLogger("mtp_plugin")
 

@@ -26,9 +26,9 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from mtp_plugin.decoding import MAX_DEPTH
-from mtp_plugin.options import MTPOptions, resolve, set_command_line
-from mtp_plugin.stats import MTPStats
+from mtp_plugin.decoding.options import MTPOptions, resolve, set_command_line
+from mtp_plugin.decoding.single import MAX_DEPTH
+from mtp_plugin.decoding.stats import MTPStats
 
 from .mlx_lm_batching import (
     MTPGenerationBatch,

@@ -32,13 +32,12 @@ import types
 
 import mlx.core as mx
 
-from mtp_plugin.lookup import lookup_policy, sampled_prior
-from mtp_plugin.options import resolve
+from mtp_plugin.decoding.lookup import lookup_policy, sampled_prior
+from mtp_plugin.decoding.options import depth_policy, resolve
+from mtp_plugin.decoding.scheduler import costs_of
+from mtp_plugin.decoding.stats import MTPStats
+from mtp_plugin.decoding.trunk import PromptInputs, multimodal
 from mtp_plugin.plugins import hook
-from mtp_plugin.scheduler import costs_of
-from mtp_plugin.stats import MTPStats
-from mtp_plugin.trunk import PromptInputs, multimodal
-from mtp_plugin.tuning import depth_policy
 
 from .capture import rollback_ready
 from .mlx_lm_decoding import add_mtp_arguments, announce, warn_headless
@@ -145,7 +144,7 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, position
         ar: the module defining mlx-vlm's ``generate_step`` (its sampling and processor helpers).
         model: the mlx-vlm model.
         loaded: its ``LoadedHead``; ``loaded.stats`` is set to fresh counters when MTP decodes.
-        depth: draft depth 1-8 or a depth policy; 0 or None: adaptive (``tuning.depth_policy``).
+        depth: draft depth 1-8 or a depth policy; 0 or None: adaptive (``options.depth_policy``).
         args: ``generate_step``'s named arguments, defaults applied.
         extra: its other keywords (those it passes on to the model), None values dropped.
         positioned: whether the sampler is mlx-vlm's position-keyed one (``mlx_vlm_sampling.sampling``); None: as

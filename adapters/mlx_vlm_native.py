@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from mtp_plugin.decoding.stats import MTPStats
 from mtp_plugin.hookspecs import hookimpl
-from mtp_plugin.stats import MTPStats
 
 from .patching import release
 

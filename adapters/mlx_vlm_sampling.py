@@ -20,8 +20,8 @@ import inspect
 
 import mlx.core as mx
 
-from mtp_plugin.decoding import Sampling
-from mtp_plugin.drafter import log_softmax
+from mtp_plugin.decoding.drafter import log_softmax
+from mtp_plugin.decoding.single import Sampling
 
 
 def _scaled_log_softmax(logprobs: mx.array, temp: float) -> mx.array:

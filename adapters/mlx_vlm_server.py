@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mtp_plugin.decoding import MAX_DEPTH
+from mtp_plugin.decoding.single import MAX_DEPTH
 from mtp_plugin.plugins import hook
 
 from .capture import rollback_ready

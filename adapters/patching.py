@@ -84,7 +84,7 @@ def claiming(model_path):
 
     A directory whose head cannot be located (unreadable header …) claims nothing here; the loader reports it.
     """
-    from mtp_plugin.loader import locate_head
+    from mtp_plugin.loading.loader import locate_head
 
     location = locate_head(Path(model_path))
     token = _claimed.set(frozenset(name for _, name in location.claimed()) if location else frozenset())
@@ -98,8 +98,8 @@ def keep_head(load_model):
     """Wrap a runtime's ``load_model(model_path, ...)`` (mlx-lm's returns ``(model, config)``, mlx-vlm's the model):
     the head is located and its tensors claimed while the runtime loads the trunk (``claiming``), then loaded onto
     the model (``loader.attach_head``)."""
-    from mtp_plugin.checkpoint import read_config
-    from mtp_plugin.loader import attach_head
+    from mtp_plugin.loading.checkpoint import read_config
+    from mtp_plugin.loading.loader import attach_head
 
     @functools.wraps(load_model)
     def wrapper(model_path, *args, **kwargs):

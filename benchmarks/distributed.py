@@ -26,7 +26,7 @@ from mtp_plugin import tuning
 from mtp_plugin.commands import measure
 from mtp_plugin.commands.bench import DTYPES, cast
 from mtp_plugin.commands.tune import summarise
-from mtp_plugin.lockstep import Lockstep
+from mtp_plugin.decoding.lockstep import Lockstep
 
 REPO = Path(__file__).resolve().parents[1]
 

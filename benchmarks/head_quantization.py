@@ -25,11 +25,11 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
-from mtp_plugin import settle
 from mtp_plugin.commands import measure
 from mtp_plugin.commands.extract import extract
 from mtp_plugin.commands.graft import graft
 from mtp_plugin.commands.verify import MAX_TOKENS
+from mtp_plugin.head import norm_settling
 from mtp_plugin.plugins import hook
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,7 +71,7 @@ def acceptance(model_dir: Path, texts: list[str]) -> tuple[float, int]:
         hidden = trunk.hidden(tokens[None], None)
         target = mx.argmax(trunk.trunk_logits(hidden), axis=-1)[0, 1:]
         _, head_cache = hook().mtp_new_caches(model=model)
-        settle.on_prompt(head, trunk, hidden[:, :-1], tokens[1:], head_cache)
+        norm_settling.on_prompt(head, trunk, hidden[:, :-1], tokens[1:], head_cache)
         draft = mx.argmax(trunk.logits(head(hidden[:, :-1], trunk.embed(tokens[None, 1:]))), axis=-1)[0]
         accepted += (draft == target).sum().item()
         positions += target.size

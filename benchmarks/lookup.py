@@ -31,8 +31,8 @@ from mlx_lm.sample_utils import make_sampler
 from mtp_plugin import tuning
 from mtp_plugin.commands import measure
 from mtp_plugin.commands.bench import DTYPES, cast
-from mtp_plugin.lookup import ContextIndex
-from mtp_plugin.stats import MTPStats
+from mtp_plugin.decoding.lookup import ContextIndex
+from mtp_plugin.decoding.stats import MTPStats
 
 REPO = Path(__file__).resolve().parents[1]
 CANDIDATES = {"plain": {"enable_mtp": False}, "MTP": {"mtp_lookup": False}, "lookup": {"mtp_lookup": True},

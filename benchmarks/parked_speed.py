@@ -22,7 +22,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 import mtp_plugin
-from mtp_plugin.controller import PLAIN, DepthController
+from mtp_plugin.decoding.controller import PLAIN, DepthController
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the command line and run.\"\"\"\n"

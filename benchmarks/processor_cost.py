@@ -63,7 +63,7 @@ def batched(model, tokenizer, processors_for, max_tokens: int, depth: int) -> tu
     from mlx_lm.sample_utils import make_sampler
     from mtp_plugin.adapters import mlx_lm_server
 
-    from mtp_plugin.batching import BatchDrafter
+    from mtp_plugin.decoding.batch import BatchDrafter
 
     finals, steps, original = [], [], BatchDrafter.final_call
 

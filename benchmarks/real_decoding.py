@@ -44,7 +44,8 @@ import mlx.core as mx
 from mlx_lm.utils import load_model
 model_dir, mode, prompt_len, max_tokens = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 if mode != "stock":
-    from mtp_plugin import health, rollback
+    from mtp_plugin.head import health
+    from mtp_plugin.decoding import rollback
     health.PROBE_DRAFTS = 0  # a random head is never parked: every cycle drafts (measurement only)
     rollback.force("replay" if mode.endswith("replay") else "capture")
 model, config = load_model(model_dir)
@@ -86,7 +87,7 @@ import json, sys
 from pathlib import Path
 import mlx.core as mx
 from mlx_lm.utils import load_model
-from mtp_plugin import draft_vocab
+from mtp_plugin.head import draft_vocab
 from mtp_plugin.commands.measure import component_costs
 from mtp_plugin.plugins import hook
 model_dir, prompt_len, repeats = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

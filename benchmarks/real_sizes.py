@@ -61,15 +61,15 @@ print(json.dumps(figures))
 """
 PARTS = {  # what loading spends its time on: profiled functions (cumulative seconds), in call order
     "stock load_model (trunk)": ("mlx_lm/utils.py:load_model",),
-    "find the head (headers, index)": ("mtp_plugin/checkpoint.py:find_head",),
+    "find the head (headers, index)": ("mtp_plugin/loading/checkpoint.py:find_head",),
     "build the head module": ("families/qwen3_5.py:mtp_build_head", "families/nextn.py:mtp_build_head"),
-    "read and normalise (lazy)": ("mtp_plugin/headfile.py:normalised_head",),
-    "check names and shapes": ("mtp_plugin/validation.py:structure_problems",),
-    "non-finite check (reads the tensors)": ("mtp_plugin/validation.py:_nonfinite",),
-    "trained-head judgement": ("mtp_plugin/loader.py:_warn_if_random",),
-    "norm settling set-up": ("mtp_plugin/settle.py:attach",),
-    "draft vocabulary": ("mtp_plugin/draft_vocab.py:attach",),
-    "the head, all of it": ("mtp_plugin/loader.py:attach_head",),
+    "read and normalise (lazy)": ("mtp_plugin/loading/headfile.py:normalised_head",),
+    "check names and shapes": ("mtp_plugin/loading/validation.py:structure_problems",),
+    "non-finite check (reads the tensors)": ("mtp_plugin/loading/validation.py:_nonfinite",),
+    "trained-head judgement": ("mtp_plugin/loading/loader.py:_warn_if_random",),
+    "norm settling set-up": ("mtp_plugin/head/norm_settling.py:attach",),
+    "draft vocabulary": ("mtp_plugin/head/draft_vocab.py:attach",),
+    "the head, all of it": ("mtp_plugin/loading/loader.py:attach_head",),
 }
 
 

@@ -10,7 +10,7 @@ leave rotating KV caches on it, which a hybrid model's later tests cannot run wi
 
 Models (``--model``, repeatable), each a checkpoint with an MTP head, so that the plugin's runs decode with MTP; by
 default two: the bundled tiny checkpoint (trained, 4-bit, head as a sidecar) and a user's own kind of checkpoint, a
-random tiny Qwen3.5 quantized to 4 bits by mlx-lm with a 4-bit sidecar head (``tests/builders.py``'s
+random tiny Qwen3.5 quantized to 4 bits by mlx-lm with a 4-bit sidecar head (``tests/helpers/builders.py``'s
 ``quantized_sidecar_checkpoint``, written into the work directory). Where the last cycle of a generation falls
 depends on the model, so both are run.
 
@@ -115,7 +115,7 @@ def build_random_4bit(workdir: Path) -> Path:
     """A random tiny 4-bit checkpoint with a 4-bit sidecar head, built with the tests' builders in ``workdir``."""
     sys.path.insert(0, str(ROOT / "tests"))
     try:
-        from builders import quantized_sidecar_checkpoint
+        from helpers.builders import quantized_sidecar_checkpoint
     finally:
         sys.path.remove(str(ROOT / "tests"))
     path = workdir / "random-4bit"

@@ -20,8 +20,8 @@ import pluggy
 from . import hookspecs
 
 BUILTIN_PLUGINS = (
-    "mtp_plugin.checkpoint",
-    "mtp_plugin.trunk",
+    "mtp_plugin.loading.checkpoint",
+    "mtp_plugin.decoding.trunk",
     "mtp_plugin.families.qwen3_5",
     "mtp_plugin.families.nextn",
     "mtp_plugin.adapters.mlx_lm",

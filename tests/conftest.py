@@ -7,7 +7,7 @@ import tempfile
 import pytest
 
 import mtp_plugin
-import mtp_plugin.health
+import mtp_plugin.head.health
 
 # Tuning records in the user's cache would change the automatic depth: tests (and their subprocesses) use their own.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="mtp-plugin-tests-cache-")
@@ -16,7 +16,7 @@ mtp_plugin.patch()
 
 # The tests' random heads must keep drafting (every cycle exercises rollback); test_broken_heads.py turns the
 # parking of heads that accept nothing back on where it tests it.
-mtp_plugin.health.PROBE_DRAFTS = 0
+mtp_plugin.head.health.PROBE_DRAFTS = 0
 
 
 # The longest modules first: CI runs a module per worker (``--dist loadfile``), in this order, so that no long module

@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders import (
+from helpers.builders import (
     build_head,
     build_model,
     cache_arrays,
@@ -26,9 +26,9 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_model
 
-from mtp_plugin import decoding
-from mtp_plugin.controller import PLAIN, DepthController
-from mtp_plugin.drafter import HISTORY_WINDOW, PendingPairs
+from mtp_plugin.decoding import single
+from mtp_plugin.decoding.controller import PLAIN, DepthController
+from mtp_plugin.decoding.drafter import HISTORY_WINDOW, PendingPairs
 from mtp_plugin.plugins import hook
 
 HF = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5" / "hf"
@@ -144,7 +144,7 @@ def test_head_history_after_parking_equals_feeding_all_along(tiny):
     head = model.mtp_head.module
     trunk = hook().mtp_trunk(model=model, contract=head.contract)
     head_cache = KVCache()
-    out = [t for t, _ in decoding.generate(mx.array(prompt), trunk, head, cache=make_prompt_cache(model),
+    out = [t for t, _ in single.generate(mx.array(prompt), trunk, head, cache=make_prompt_cache(model),
                                            head_cache=head_cache, depth=Schedule(SCHEDULES["long-park"]),
                                            max_tokens=50)]
     sequence = mx.array(prompt + out)[None]
@@ -166,7 +166,7 @@ def test_park_longer_than_the_window_feeds_only_its_last_pairs(tiny):
     gap, head_cache = 12, KVCache()
     n = HISTORY_WINDOW + gap + 6
     schedule = Schedule([1] + [0] * (HISTORY_WINDOW + gap) + [2] * 8)
-    out = [t for t, _ in decoding.generate(mx.array(prompt), trunk, head, cache=make_prompt_cache(model),
+    out = [t for t, _ in single.generate(mx.array(prompt), trunk, head, cache=make_prompt_cache(model),
                                            head_cache=head_cache, depth=schedule, max_tokens=n)]
     assert out == tokens(model, prompt, enable_mtp=False, max_tokens=n)
     assert any(depth == 2 for depth, _ in schedule.ran)  # drafting resumed after the long park

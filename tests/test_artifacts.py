@@ -9,13 +9,13 @@ import pytest
 from mlx_lm import load
 
 import mtp_plugin
-from mtp_plugin.checkpoint import read_config
 from mtp_plugin.commands.cli import SAMPLE_SOURCE, main, write_advice
 from mtp_plugin.commands.extract import extract
 from mtp_plugin.commands.graft import GraftRefused, graft
-from mtp_plugin.commands.report import inspect_dir
+from mtp_plugin.commands.inspect import inspect_dir
 from mtp_plugin.commands.verify import verify
-from mtp_plugin.conventions import is_norm
+from mtp_plugin.head.conventions import is_norm
+from mtp_plugin.loading.checkpoint import read_config
 
 ROOT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
 HF, MLX4 = ROOT / "hf", ROOT / "mlx-4bit"

@@ -12,8 +12,16 @@ import logging
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders import build_head, build_model, cache_arrays, config_for, save_checkpoint, to_float32, trunk_weights
-from console_runs import HF
+from helpers.builders import (
+    build_head,
+    build_model,
+    cache_arrays,
+    config_for,
+    save_checkpoint,
+    to_float32,
+    trunk_weights,
+)
+from helpers.console_runs import HF
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -23,11 +31,11 @@ from mtp_plugin.adapters.mlx_lm_server import MTPRequest
 from mtp_plugin.adapters.patching import release
 from test_sampling import PROMPT, VOCAB, chi_square_p, exact_marginals
 
-from mtp_plugin import options as options_module
-from mtp_plugin import rollback
-from mtp_plugin.drafter import HISTORY_WINDOW
-from mtp_plugin.lookup import LookupSettings
-from mtp_plugin.options import MTPOptions
+from mtp_plugin.decoding import options as options_module
+from mtp_plugin.decoding import rollback
+from mtp_plugin.decoding.drafter import HISTORY_WINDOW
+from mtp_plugin.decoding.lookup import LookupSettings
+from mtp_plugin.decoding.options import MTPOptions
 
 # mlx-lm < 0.32 pollutes the GatedDeltaNet state of right-padded prompt rows (its ArraysCache mask ignores the
 # prompt lengths), so its own batched output differs from a request served alone; there the reference of a batch
@@ -441,10 +449,10 @@ def inject(monkeypatch, owner, name: str, call: int):
 
 
 FAULTS = {  # where a bug of the plugin's can strike: the part it breaks, and at which call
-    "cycle": ("mtp_plugin.batching.BatchDrafter", "cycle", 3),
-    "commit": ("mtp_plugin.batching.BatchDrafter", "commit", 2),
-    "plain": ("mtp_plugin.batching.BatchDrafter", "plain", 2),
-    "head-prompt": ("mtp_plugin.drafter.Drafter", "prefill", 2),
+    "cycle": ("mtp_plugin.decoding.batch.BatchDrafter", "cycle", 3),
+    "commit": ("mtp_plugin.decoding.batch.BatchDrafter", "commit", 2),
+    "plain": ("mtp_plugin.decoding.batch.BatchDrafter", "plain", 2),
+    "head-prompt": ("mtp_plugin.decoding.drafter.Drafter", "prefill", 2),
     "join": ("mtp_plugin.adapters.mlx_lm_batching.MTPGenerationBatch", "_join", 1),
     "respond": ("mtp_plugin.adapters.mlx_lm_batching.MTPGenerationBatch", "_respond", 4),
 }

@@ -12,13 +12,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
+from helpers.builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
 from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mtp_plugin.adapters.patching import release
 
-from mtp_plugin.commands.report import inspect_dir
+from mtp_plugin.commands.inspect import inspect_dir
 from mtp_plugin.commands.verify import verify
 
 PROMPT = mx.array([3, 17, 42, 99, 7, 128, 5, 64])
@@ -169,7 +169,7 @@ def test_nonfinite_drafts_parked_in_mlx_vlm(tmp_path):
 def test_nonfinite_check_inside_acceptance():
     """The acceptance functions never let a non-finite q through: the draft is rejected and the token
     drawn in its place comes from p alone (here p puts all its mass on token 2)."""
-    from mtp_plugin.decoding import NONFINITE, accept_sampled, reject_nonfinite
+    from mtp_plugin.decoding.single import NONFINITE, accept_sampled, reject_nonfinite
 
     p = mx.array([[0.0, 0.0, 1.0, 0.0]] * 3)
     q = mx.full((2, 4), mx.nan)
@@ -428,9 +428,9 @@ def test_differing_copies_refused_naming_both(tmp_path, tiny, caplog, same_file)
 def test_head_accepting_nothing_is_parked(tmp_path, tiny, caplog, monkeypatch, sampled):
     """The tests' random heads accept nothing: over the first 64 draft tokens the head is parked (one
     warning), the rest of the generation and later ones decode plain, and greedy output stays the trunk's."""
-    import mtp_plugin.health
+    import mtp_plugin.head.health
 
-    monkeypatch.setattr(mtp_plugin.health, "PROBE_DRAFTS", 64)
+    monkeypatch.setattr(mtp_plugin.head.health, "PROBE_DRAFTS", 64)
     config, _, weights, head, _ = tiny
     model = lm_load(save_checkpoint(tmp_path / "m", config, weights, head, "mtp.safetensors"))
     generate_step = importlib.import_module("mlx_lm.generate").generate_step

@@ -14,12 +14,12 @@ caches by replay (one masked update) as by capture.
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders import build_model, caches_after_close, config_for, to_float32
-from console_runs import HF
+from helpers.builders import build_model, caches_after_close, config_for, to_float32
+from helpers.console_runs import HF
 from mlx.utils import tree_map
 from mtp_plugin.adapters import capture
 
-from mtp_plugin import rollback
+from mtp_plugin.decoding import rollback
 
 PROMPT = [5, 17, 3, 99, 42, 7, 8, 120, 64, 33]
 VERIFIED = [11, 200, 4, 87, 19]

@@ -12,7 +12,7 @@ import statistics
 
 import pytest
 
-from mtp_plugin.controller import PLAIN, DepthController, Settings
+from mtp_plugin.decoding.controller import PLAIN, DepthController, Settings
 
 TOKENS = 3000
 

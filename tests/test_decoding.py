@@ -13,7 +13,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders import (
+from helpers.builders import (
     KINDS,
     build_head,
     build_model,
@@ -29,7 +29,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_model
 
 import mtp_plugin
-from mtp_plugin import rollback
+from mtp_plugin.decoding import rollback
 
 PROMPTS = {"1-token": [7], "short": [3, 17, 42, 99, 7, 128, 5, 64],
            "long": [(7 * i) % 250 + 1 for i in range(300)]}  # token ids stay below the vocabulary size, 256

@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders import to_float32
+from helpers.builders import to_float32
 from mlx_lm import load
 
 ROOT = Path(__file__).resolve().parents[1]

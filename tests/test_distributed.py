@@ -1,5 +1,5 @@
 """MTP on mlx-lm's own sharding: two ranks on loopback (``mlx.launch --backend ring -n 2``), pipeline and tensor
-parallel, over the model families mlx-lm shards, each rank running ``tests/distributed_run.py``.
+parallel, over the model families mlx-lm shards, each rank running ``tests/helpers/distributed_run.py``.
 
 The reference is stock mlx-lm under the same sharding in the same processes (tensor parallelism changes the order of
 sums, so single-process stock is not it). ``mlx.launch`` exits 0 even when a rank fails, so a run passes only when
@@ -23,13 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from builders import build_head, build_model, config_for, save_checkpoint, trunk_weights, untied_copy
-from console_runs import CONCURRENT, MLX4, environment
-from nextn_builders import distilled
+from helpers.builders import build_head, build_model, config_for, save_checkpoint, trunk_weights, untied_copy
+from helpers.console_runs import CONCURRENT, MLX4, environment
+from helpers.nextn_builders import distilled
 
-from mtp_plugin.draft_vocab import FILE_NAME
+from mtp_plugin.head.draft_vocab import FILE_NAME
 
-SCRIPT = Path(__file__).with_name("distributed_run.py")
+SCRIPT = Path(__file__).parent / "helpers" / "distributed_run.py"
 TIMEOUT = 240  # seconds for one launch of two ranks (about 20 on two cores)
 MODULES = {"qwen3_5 tied": "qwen3_5", "qwen3_5 untied": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
            "deepseek_v3": "deepseek_v3"}

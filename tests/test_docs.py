@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from console_runs import BIN, REPO, environment
+from helpers.console_runs import BIN, REPO, environment
 
 CHECKPOINT = "examples/tiny-qwen3_5"
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

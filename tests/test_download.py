@@ -8,11 +8,11 @@ import shutil
 import huggingface_hub.constants
 import mlx_lm.utils
 import pytest
-from console_runs import MLX4
-from hub import REPO_ID, snapshot_download
+from helpers.console_runs import MLX4
+from helpers.hub import REPO_ID, snapshot_download
 
 import mtp_plugin
-from mtp_plugin.checkpoint import head_files
+from mtp_plugin.loading.checkpoint import head_files
 
 
 def test_head_files_of_a_sidecar_checkpoint():

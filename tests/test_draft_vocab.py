@@ -12,13 +12,14 @@ from collections import Counter
 
 import mlx.core as mx
 import pytest
-from builders import to_float32
-from console_runs import HF
+from helpers.builders import to_float32
+from helpers.console_runs import HF
 from mlx_lm import load
 from mlx_lm.sample_utils import make_sampler
 
-from mtp_plugin import draft_vocab, tuning
-from mtp_plugin.drafter import Drafter
+from mtp_plugin import tuning
+from mtp_plugin.decoding.drafter import Drafter
+from mtp_plugin.head import draft_vocab
 from mtp_plugin.plugins import hook
 
 PROMPT = "def fibonacci(n):\n"
@@ -79,20 +80,20 @@ def test_server_batch_drafts_inside_the_subset(trained, monkeypatch):
     from mtp_plugin.adapters.mlx_lm_server import MTPRequest
     from test_batching import drain, insert, mtp_generator
 
-    from mtp_plugin import batching
+    from mtp_plugin.decoding import batch
 
     model, prompt, stock = trained
     ids = sorted(set(stock[1::2]) | set(range(32)))
     model.mtp_head.draft_vocab = subset_of(model, ids)
     drafted = []
-    original = batching.propose
+    original = batch.propose
 
     def propose(*args, **kwargs):
         tokens, q = original(*args, **kwargs)
         drafted.extend(tokens.tolist())
         return tokens, q
 
-    monkeypatch.setattr(batching, "propose", propose)
+    monkeypatch.setattr(batch, "propose", propose)
     try:
         generator = mtp_generator(model)
         uids = insert(generator, [prompt.tolist()] * 2, [48, 30], [MTPRequest(True, 2), MTPRequest(True, 3)])

@@ -8,7 +8,7 @@ import sys
 
 import mlx.core as mx
 import pytest
-from console_runs import BIN, MLX4, REPO, Generation, console, generate_args, run
+from helpers.console_runs import BIN, MLX4, REPO, Generation, console, generate_args, run
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import sys
 from importlib import metadata
 
 import pytest
-from console_runs import MLX4, REPO, Generation, environment, generate_args, run
+from helpers.console_runs import MLX4, REPO, Generation, environment, generate_args, run
 
 # Messages of pip and urllib3 when the package index cannot be reached.
 NO_NETWORK = re.compile(r"NewConnectionError|Failed to establish a new connection|Temporary failure in name "

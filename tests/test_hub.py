@@ -11,8 +11,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from console_runs import environment
-from hub import Hub
+from helpers.console_runs import environment
+from helpers.hub import Hub
 from mlx_lm import load
 
 from mtp_plugin.commands.extract import extract

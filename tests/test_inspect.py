@@ -8,12 +8,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
+from helpers.builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
 from mlx.utils import tree_flatten
 
 from mtp_plugin.commands.cli import main
-from mtp_plugin.commands.report import inspect_dir
-from mtp_plugin.conventions import is_norm
+from mtp_plugin.commands.inspect import inspect_dir
+from mtp_plugin.head.conventions import is_norm
 
 JSON_KEYS = {"can_run", "mtp_tensors", "declared_mtp_layers", "naming", "files", "norm_convention",
              "head_quantization", "trunk_quantization", "head_trained", "problems"}

@@ -11,7 +11,7 @@ from importlib import metadata
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders import KINDS, build_head, build_model, config_for, save_checkpoint, trunk_weights
+from helpers.builders import KINDS, build_head, build_model, config_for, save_checkpoint, trunk_weights
 from mlx.utils import tree_flatten
 
 import mtp_plugin
@@ -204,7 +204,7 @@ def test_broken_index_loads_as_stock_with_the_head(tmp_path, caplog, capsys, cas
     """mlx-lm never reads the index: the plugin loads what stock loads, keeps the head (found by file name, in a
     sidecar or a shard) and warns once naming the index; inspect says the same, without a traceback."""
     from mtp_plugin.commands.cli import main
-    from mtp_plugin.commands.report import inspect_dir
+    from mtp_plugin.commands.inspect import inspect_dir
 
     config = config_for("qwen3_5")
     model = build_model(config)

@@ -7,13 +7,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders import KINDS, build_model, caches_after_close, config_for
+from helpers.builders import KINDS, build_model, caches_after_close, config_for
 from mlx_lm import load
 from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from mtp_plugin.lookup import ContextIndex, LookupSettings, lookup_policy
-from mtp_plugin.options import MTPOptions, command_line, resolve, set_command_line
+from mtp_plugin.decoding.lookup import ContextIndex, LookupSettings, lookup_policy
+from mtp_plugin.decoding.options import MTPOptions, command_line, resolve, set_command_line
 
 MLX4 = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5" / "mlx-4bit"
 SOURCE = "def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n\n\n"

@@ -12,11 +12,11 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders import save_checkpoint
-from console_runs import HF
+from helpers.builders import save_checkpoint
+from helpers.console_runs import HF
+from helpers.nextn_builders import KINDS, LAYERS, distilled, save_hf, save_mlx
 from mlx.utils import tree_flatten
 from mtp_plugin.adapters.mlx_lm_server import MTPRequest
-from nextn_builders import KINDS, LAYERS, distilled, save_hf, save_mlx
 from test_batching import drain, insert, mtp_generator, stock_tokens
 
 import mtp_plugin
@@ -164,7 +164,7 @@ def acceptance(model, depth):
 def test_trained_head_is_accepted_through_the_family_wiring(trained):
     """Acceptance of a trained next-n head through the decoding loop: high with the family's wiring (the embedding
     first, the trunk's final-normed hidden state), near zero with the halves swapped."""
-    from mtp_plugin.conventions import Contract
+    from mtp_plugin.head.conventions import Contract
 
     assert acceptance(trained, 1) > 0.4 and acceptance(trained, 3) > 0.2
     head = trained.mtp_head.module

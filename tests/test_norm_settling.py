@@ -13,17 +13,17 @@ import shutil
 
 import mlx.core as mx
 import pytest
+from helpers.norm_cases import code_prompt, hf_sidecar, mixed_sidecar
 from mlx_lm import load
 from mtp_plugin.adapters.mlx_lm_server import MTPRequest
-from norm_cases import code_prompt, hf_sidecar, mixed_sidecar
 from test_batching import drain, insert, mtp_generator, stock_tokens
 
-from mtp_plugin import settle
 from mtp_plugin.commands.verify import verify
+from mtp_plugin.head import norm_settling
 
 BUILDERS = {"mixed": mixed_sidecar, "hf": hf_sidecar}
 PROMPT = code_prompt("textwrap", 3000, 400)  # 129 tokens: 127 scored positions
-SHORT = code_prompt("textwrap", 3000, 60)  # 23 tokens: under settle.MIN_POSITIONS scored positions
+SHORT = code_prompt("textwrap", 3000, 60)  # 23 tokens: under norm_settling.MIN_POSITIONS scored positions
 MAX_TOKENS = 32
 
 
@@ -81,7 +81,7 @@ def test_open_norms_settle_per_tensor_at_the_first_prompt(cases, case):
 def test_a_short_prompt_leaves_norms_open_for_a_longer_one(cases):
     path, _, truth = cases["hf"]
     model, tokenizer = load(str(path))
-    assert len(tokenizer.encode(SHORT)) - 2 < settle.MIN_POSITIONS
+    assert len(tokenizer.encode(SHORT)) - 2 < norm_settling.MIN_POSITIONS
     short, _ = decode(model, tokenizer, SHORT)
     assert model.mtp_head.module.open_norms is not None
     assert not any(model.mtp_head.norms[n].settled for n in model.mtp_head.module.open_norms.names)

@@ -3,7 +3,7 @@
 ``mlx_lm.generate`` runs with the built-in MTP as without that plugin (``plugins._guarded``)."""
 
 import pytest
-from console_runs import BIN, MLX4, PATCH_FAILED, Generation, console, generate_args, run
+from helpers.console_runs import BIN, MLX4, PATCH_FAILED, Generation, console, generate_args, run
 
 PLUGIN = '''"""A third-party MTP plugin whose runtime patch fails."""
 

@@ -13,8 +13,8 @@ import importlib
 
 import mlx.core as mx
 import pytest
-from builders import to_float32
-from console_runs import HF
+from helpers.builders import to_float32
+from helpers.console_runs import HF
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mtp_plugin.adapters import mlx_lm_server
 from mtp_plugin.adapters.mlx_lm_server import MTPRequest

@@ -9,15 +9,15 @@ goodness-of-fit test, with the exact marginals computed from the trunk by enumer
 import importlib
 
 import mlx.core as mx
-import nextn_builders
 import numpy as np
 import pytest
-from builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
+from helpers import nextn_builders
+from helpers.builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
 from mlx_lm.sample_utils import apply_top_k, make_sampler
 from mlx_lm.utils import load_model
 from scipy.stats import chisquare
 
-from mtp_plugin.lookup import LookupSettings
+from mtp_plugin.decoding.lookup import LookupSettings
 
 VOCAB = 24
 PROMPT = [3, 9, 1, 17]
@@ -87,8 +87,8 @@ def test_mtp_sampling_matches_trunk_distribution(model, temp, top_k, depth):
 def test_mtp_sampling_with_draft_vocabulary_matches_trunk_distribution(model, monkeypatch):
     """Drafts from half the vocabulary only (q zero outside it): the output keeps the trunk's distribution, and no
     draft is ever outside the subset."""
-    from mtp_plugin import draft_vocab
-    from mtp_plugin.drafter import Drafter
+    from mtp_plugin.decoding.drafter import Drafter
+    from mtp_plugin.head import draft_vocab
     from mtp_plugin.plugins import hook
 
     ids = list(range(0, VOCAB, 2))
@@ -180,7 +180,7 @@ def test_walk_sampling_matches_processed_distributions():
     sampling: the first token is drawn from the processed p0, the token after an accepted draft from p1, the bonus
     token after two from p2, whatever q the drafts came from (a head whose output is not finite: every draft
     rejected, the first token still from p0)."""
-    from mtp_plugin.decoding import Sampling, Walk
+    from mtp_plugin.decoding.single import Sampling, Walk
 
     rng = np.random.default_rng(0)
     vocab, trials = 6, 3000

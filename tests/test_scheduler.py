@@ -3,8 +3,8 @@ model (pure logic; the loops that call it are tested end to end in test_lookup, 
 
 import pytest
 
-from mtp_plugin.lookup import LookupPolicy, LookupSettings, lookup_policy, sampled_prior
-from mtp_plugin.scheduler import PLAIN_STEP, Ask, Chain, CostModel, Decision, RowState, plan, pricing
+from mtp_plugin.decoding.lookup import LookupPolicy, LookupSettings, lookup_policy, sampled_prior
+from mtp_plugin.decoding.scheduler import PLAIN_STEP, Ask, Chain, CostModel, Decision, RowState, plan, pricing
 
 CPU_BF16 = CostModel(0.43)  # a pass of k positions costs 1 + 0.43(k-1) plain steps (bf16 on a compute-bound CPU)
 GPU = CostModel(0.02)  # a pass of a few positions costs little more than one

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from console_runs import CONCURRENT, MLX4, PROMPTS, REPO, environment
+from helpers.console_runs import CONCURRENT, MLX4, PROMPTS, REPO, environment
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 CHAT = [{"role": "user", "content": "def parse(text):"}]

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from console_runs import MLX4, environment
+from helpers.console_runs import MLX4, environment
 from mtp_plugin.adapters.patching import release
 from test_server import PROMPTS, Server, server_command, text_of
 

@@ -12,7 +12,7 @@ import tempfile
 
 import mlx.core as mx
 import pytest
-from console_runs import BIN, DISABLE, MLX4, PROMPT, Generation, console, environment, generate_args
+from helpers.console_runs import BIN, DISABLE, MLX4, PROMPT, Generation, console, environment, generate_args
 from mlx.utils import tree_flatten
 
 PREFIX, REST = PROMPT[:24], PROMPT[24:]  # a prompt cache file holds the prefix; the generation adds the rest

@@ -3,7 +3,7 @@ or raises from a hook is disabled alone, with one warning naming it: ``mlx_lm.ge
 the same text as with no such plugin installed."""
 
 import pytest
-from console_runs import BIN, MLX4, Generation, console, generate_args, run
+from helpers.console_runs import BIN, MLX4, Generation, console, generate_args, run
 
 PLUGINS = {
     "import": "raise ImportError('no module named torch')\n",

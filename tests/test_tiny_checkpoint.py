@@ -9,10 +9,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from builders import to_float32
+from helpers.builders import to_float32
 from mlx_lm import load
 
-from mtp_plugin.commands.report import inspect_dir
+from mtp_plugin.commands.inspect import inspect_dir
 
 ROOT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
 HF, MLX4 = ROOT / "hf", ROOT / "mlx-4bit"

@@ -15,11 +15,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from mtp_plugin import draft_vocab, tuning
+from mtp_plugin import tuning
 from mtp_plugin.commands import measure
 from mtp_plugin.commands.bench import bench, efficiency, render
 from mtp_plugin.commands.cli import main
 from mtp_plugin.commands.tune import token_counts
+from mtp_plugin.head import draft_vocab
 
 HF = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5" / "hf"
 QUICK = ["--depths", "2", "--max-tokens", "6", "--repeats", "1"]

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from builders import build_head, build_model, config_for, png, save_checkpoint, trunk_weights
+from helpers.builders import build_head, build_model, config_for, png, save_checkpoint, trunk_weights
 from mlx_vlm.utils import load_model
 from mtp_plugin.adapters.mlx_vlm_decoding import CONTINUES_CACHED_POSITIONS
 from mtp_plugin.adapters.patching import release
 
 import mtp_plugin
-from mtp_plugin.lookup import LookupSettings
+from mtp_plugin.decoding.lookup import LookupSettings
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
 SHORT = [3, 17, 42, 99, 7, 128, 5, 64]
@@ -255,7 +255,7 @@ def test_head_positions_are_the_trunks_after_an_image(trained_vlm_model, monkeyp
     """Every pair the head sees, in the prompt's image, after it and while drafting, carries the multimodal rotary
     position mlx-vlm's trunk gave the same token (the image compresses positions: they fall behind the token
     index after it), and the head's layer receives exactly those positions."""
-    from mtp_plugin import trunk
+    from mtp_plugin.decoding import trunk
 
     model, config, tokenizer, _ = trained_vlm_model
     prompt, pixel_values, keywords = media_prompt(config, tokenizer, "image", "def main():\n")

@@ -12,7 +12,7 @@ import importlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
+from helpers.builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
 from mlx_vlm.utils import load_model
 from mtp_plugin.adapters.patching import release
 from scipy.stats import chi2_contingency

@@ -15,8 +15,8 @@ from queue import Queue
 
 import mlx.core as mx
 import pytest
-from builders import png
-from console_runs import HF, environment
+from helpers.builders import png
+from helpers.console_runs import HF, environment
 from mtp_plugin.adapters.patching import release
 from test_server import Server, text_of
 
@@ -169,7 +169,7 @@ def test_response_format_and_failures_stay_with_their_request(checkpoint):
     from mlx_vlm.server.generation import GenerationArguments
     from mtp_plugin.adapters.mlx_vlm_server import Lane, Lanes
 
-    from mtp_plugin.stats import MTPStats
+    from mtp_plugin.decoding.stats import MTPStats
 
     model, processor = load(str(checkpoint))
     lanes = Lanes(importlib.import_module("mlx_vlm.generate.ar").BatchGenerator(model.language_model, processor),

@@ -7,9 +7,9 @@ import shutil
 import sys
 
 import pytest
-from console_runs import DISABLE, HF, MAX_TOKENS, MLX4, PROMPT, Generation, console, generate_args, run
+from helpers.console_runs import DISABLE, HF, MAX_TOKENS, MLX4, PROMPT, Generation, console, generate_args, run
 
-from mtp_plugin.decoding import MAX_DEPTH
+from mtp_plugin.decoding.single import MAX_DEPTH
 
 API = """
 import sys

@@ -29,10 +29,11 @@ from typing import Protocol
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from .. import draft_vocab, tuning
-from ..decoding import DEFAULT_DEPTH, MAX_DEPTH
+from .. import tuning
+from ..decoding.single import DEFAULT_DEPTH, MAX_DEPTH
+from ..decoding.stats import MTPStats
+from ..head import draft_vocab
 from ..plugins import hook
-from ..stats import MTPStats
 from ..usage import UsageError
 from . import measure
 from .tune import check_measure_options, load, summarise

@@ -13,9 +13,9 @@ import sysconfig
 from importlib import metadata
 from pathlib import Path
 
-from ..checkpoint import CheckpointError, check_weight_files, read_config
 from ..files import Terminated, terminating_cleanly
 from ..hub.fetch import is_repo_id
+from ..loading.checkpoint import CheckpointError, check_weight_files, read_config
 from ..usage import DEFAULT_BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, HEAD_BITS, UsageError, describe, int_in
 
 DESCRIPTION = """Inspect, verify, graft, extract, tune and benchmark MTP heads (also: python -m mtp_plugin).
@@ -29,7 +29,7 @@ SAMPLE_SOURCE = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"  # real te
 
 
 def _inspect(args) -> int:
-    from .report import inspect_dir
+    from .inspect import inspect_dir
 
     report = inspect_dir(args.model_dir)
     if args.json:
@@ -115,7 +115,7 @@ def write_advice(result: dict) -> str:
 
 
 def _tune(args) -> int:
-    from ..draft_vocab import FILE_NAME
+    from ..head.draft_vocab import FILE_NAME
     from .tune import tune
 
     result = tune(args.model_dir, args.depths, args.max_tokens, args.repeats, args.write, args.vocab_text)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoint import CheckpointError, find_head
-from ..conventions import Contract
 from ..files import check_new_output
-from ..headfile import head_metadata, quantization_labels, quantize_head, write_atomically
+from ..head.conventions import Contract
 from ..hub.fetch import head_checkpoint, is_repo_id
+from ..loading.checkpoint import CheckpointError, find_head
+from ..loading.headfile import head_metadata, quantization_labels, quantize_head, write_atomically
+from ..loading.validation import validate
 from ..usage import DEFAULT_BITS, DEFAULT_GROUP_SIZE, UsageError, check_quantization
-from ..validation import validate
 
 
 def extract(hf_dir: Path | str, out: Path, bits: int = DEFAULT_BITS, group_size: int = DEFAULT_GROUP_SIZE,

@@ -17,15 +17,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..checkpoint import INDEX, CheckpointError, HeadLocation, HeadTensor, find_head, read_config, read_index
-from ..compat import head_config, mismatches
-from ..conventions import Contract
 from ..files import check_new_output, user_mode
-from ..headfile import head_metadata, quantization_labels, quantize_head, write_atomically
+from ..head.conventions import Contract
 from ..hub.fetch import head_checkpoint, is_repo_id, model_checkpoint
+from ..loading.checkpoint import INDEX, CheckpointError, HeadLocation, HeadTensor, find_head, read_config, read_index
+from ..loading.fit import head_config, mismatches
+from ..loading.headfile import head_metadata, quantization_labels, quantize_head, write_atomically
+from ..loading.validation import expected_head, validate
 from ..plugins import hook
 from ..usage import DEFAULT_BITS, DEFAULT_GROUP_SIZE, UsageError, check_quantization
-from ..validation import expected_head, validate
 
 LAYOUTS = {  # layout: (head file, tensor-name prefix) each runtime documents
     "mlx-lm": ("mtp.safetensors", "mtp."),  # ours: a sidecar stock mlx-lm never reads

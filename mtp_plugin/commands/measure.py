@@ -23,13 +23,14 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
-from .. import rollback, tuning
-from ..decoding import accept_greedy
-from ..drafter import draft_logits, log_softmax, propose
+from .. import tuning
+from ..decoding import rollback
+from ..decoding.drafter import draft_logits, log_softmax, propose
+from ..decoding.single import accept_greedy
+from ..decoding.stats import MTPStats
+from ..decoding.trunk import trunk_parts
 from ..files import atomic_write
 from ..plugins import hook
-from ..stats import MTPStats
-from ..trunk import trunk_parts
 
 PROMPT_SOURCES = ("textwrap.py", "shlex.py", "string.py", "fractions.py")  # standard library, on every machine
 PROMPT_CHARS = 1000

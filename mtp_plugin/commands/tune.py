@@ -20,9 +20,10 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from .. import draft_vocab, tuning
-from ..checkpoint import CheckpointError
+from .. import tuning
 from ..files import check_replaceable
+from ..head import draft_vocab
+from ..loading.checkpoint import CheckpointError
 from ..plugins import hook
 from ..usage import UsageError, check
 from . import measure

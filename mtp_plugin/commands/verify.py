@@ -1,18 +1,9 @@
-"""``mtp-plugin verify``: measure depth-1 greedy acceptance and sweep the wiring contract.
+"""``mtp-plugin verify``: depth-1 greedy acceptance of a head under every wiring contract and norm reading.
 
-No decoding loop: the trunk reads the text twice (teacher forcing; its hidden states before and after the final
-norm), then the head runs once per wiring (3 or 4 norm readings x 2 hidden variants x 2 concat orders, after the head
-passes that settle open norms on the text); for every position t
-the head drafts token t+2 from (h[t], x[t+1]) and the draft counts as accepted when it equals the
-trunk's own argmax at t+1. A wrong contract (hidden before/after the final norm, concat order) or a
-wrong norm convention makes acceptance collapse without any error (seed 003), so every combination
-is measured and the best reported; ``--write`` records it in config.json.
-
-Norm readings swept: ``decided`` (the loader's, with the norms its files leave open settled on the text as a
-generation with it as its prompt settles them: ``settle.on_prompt``), ``stored_absolute``, ``all_zero_centred`` and
-``per_tensor`` (every norm's reading searched per tensor on the text, evidence-decided norms included:
-``settle.search`` from ``decided``; a wrongly declared norm among right ones), swept when it differs from the other
-three. On a tie the reading named first wins.
+Teacher-forced, no decoding loop: for each position t the head drafts token t+2 from (h[t], x[t+1]); a draft is
+accepted when it equals the trunk's argmax at t+1. Swept: hidden before/after the final norm x concat order x norm
+readings (``decided``, ``stored_absolute``, ``all_zero_centred``, ``per_tensor`` when it differs); the best wins, the
+first named on a tie; ``--write`` records it in config.json. Why: docs/commands.md.
 """
 
 from __future__ import annotations
@@ -25,13 +16,13 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
-from .. import settle
-from ..checkpoint import CheckpointError, load_tensors
-from ..conventions import ABSOLUTE, CONTRACT_KEY, NORM_KEY, ZERO_CENTRED, Contract
 from ..files import atomic_write, check_replaceable
+from ..head import norm_settling
+from ..head.conventions import ABSOLUTE, CONTRACT_KEY, NORM_KEY, ZERO_CENTRED, Contract
+from ..loading.checkpoint import CheckpointError, load_tensors
 from ..plugins import hook
 from ..usage import UsageError
-from .report import inspect_dir
+from .inspect import inspect_dir
 
 MAX_TOKENS = 1024
 MIN_TOKENS = 2  # a draft of token t+2 from (h[t], x[t+1]) needs two tokens
@@ -53,19 +44,18 @@ def _norm_sets(loaded, score) -> tuple[dict[str, dict[str, str]], dict[str, dict
     and each norm's weight under each convention (from the weights as its files store them).
 
     Args:
-        score: ``settle.prompt_score`` of the text, for the per-tensor search; None: a text too short for one
-            (under ``settle.MIN_POSITIONS`` positions). ``per_tensor`` is swept only when it differs from the others.
+        score: ``norm_settling.prompt_score`` of the text for the per-tensor search; None: too short for one.
     """
     location = loaded.location
     stored = hook().mtp_sanitize_head(weights=load_tensors(list(location.tensors.values())),
                                       config=location.config)
     names = sorted(loaded.norms)
-    candidates = {n: settle.readings(stored[n]) for n in names}
+    candidates = {n: norm_settling.readings(stored[n]) for n in names}
     decided = {n: loaded.norms[n].convention for n in names}
     sets = {"decided": decided, "stored_absolute": dict.fromkeys(names, ABSOLUTE),
             "all_zero_centred": dict.fromkeys(names, ZERO_CENTRED)}  # on a tie the first wins
     if score is not None:
-        per_tensor = settle.search(loaded.module, candidates, decided, score)[0]
+        per_tensor = norm_settling.search(loaded.module, candidates, decided, score)[0]
         if per_tensor not in sets.values():
             sets["per_tensor"] = per_tensor
     return sets, candidates
@@ -75,7 +65,7 @@ def sweep(model, tokens: mx.array) -> tuple[list[Candidate], dict[str, dict[str,
     """Acceptance of every wiring for trunk ``model`` (with ``model.mtp_head``) on ``tokens`` (T,), best first, and
     the conventions per norm of each norm reading swept.
 
-    The norms the files leave open are settled on ``tokens`` first, as by a prompt (``settle.on_prompt``)."""
+    The norms the files leave open are settled on ``tokens`` first, as by a prompt (``norm_settling.on_prompt``)."""
     loaded = model.mtp_head
     head = loaded.module
     trunks = {h: hook().mtp_trunk(model=model, contract=Contract(hidden=h)) for h in ("post_norm", "pre_norm")}
@@ -89,11 +79,11 @@ def sweep(model, tokens: mx.array) -> tuple[list[Candidate], dict[str, dict[str,
     embeddings = trunks["post_norm"].embed(inputs[:, 1:])
     own = head.contract.hidden
     _, head_cache = hook().mtp_new_caches(model=model)
-    settle.on_prompt(head, trunks[own], hidden[own][:, :-1], tokens[1:], head_cache)
+    norm_settling.on_prompt(head, trunks[own], hidden[own][:, :-1], tokens[1:], head_cache)
     original = dict(head.parameters())
     results, progress = [], None
     try:
-        score = None if tokens.size - 2 < settle.MIN_POSITIONS else settle.prompt_score(
+        score = None if tokens.size - 2 < norm_settling.MIN_POSITIONS else norm_settling.prompt_score(
             head, trunks[own], hidden[own][:, :-1], tokens[1:], head_cache)
         norm_sets, candidates = _norm_sets(loaded, score)
         progress = tqdm(total=len(norm_sets) * len(wirings), desc="verify: head passes (wiring sweep)", unit="pass")

@@ -19,13 +19,13 @@ settles the rest by the head's own predictions.
 
 from __future__ import annotations
 
-from ..checkpoint import CheckpointError
-from ..compat import text_config
-from ..conventions import ABSOLUTE
-from ..head import NORM_ROLES, MTPHead
+from ..decoding.trunk import trunk_parts
+from ..head.conventions import ABSOLUTE
+from ..head.model import NORM_ROLES, MTPHead
 from ..hookspecs import hookimpl
+from ..loading.checkpoint import CheckpointError
+from ..loading.fit import text_config
 from ..plugins import hook
-from ..trunk import trunk_parts
 from . import for_model_types
 
 MODEL_TYPES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")

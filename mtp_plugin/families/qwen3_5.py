@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import re
 
-from ..conventions import ABSOLUTE, ZERO_CENTRED
-from ..head import NORM_ROLES, MTPHead
+from ..decoding.trunk import trunk_parts
+from ..head.conventions import ABSOLUTE, ZERO_CENTRED
+from ..head.model import NORM_ROLES, MTPHead
 from ..hookspecs import hookimpl
-from ..trunk import trunk_parts
 from . import for_model_types
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")

@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint import INDEX, CheckpointError, find_head, head_files, head_tensors
 from ..files import user_mode
+from ..loading.checkpoint import INDEX, CheckpointError, find_head, head_files, head_tensors
 from ..plugins import hook
 
 RETRIES = 5  # tries per byte range, each resuming where the last one stopped

@@ -21,8 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from .checkpoint import CheckpointError, HeadLocation, trunk_headers
-from .conventions import (
+from ..head.conventions import (
     ABSOLUTE,
     CONTRACT_KEY,
     NORM_KEY,
@@ -32,8 +31,9 @@ from .conventions import (
     plays_role,
     quantization_of,
 )
+from ..plugins import hook
+from .checkpoint import CheckpointError, HeadLocation, trunk_headers
 from .headfile import normalised_head
-from .plugins import hook
 
 FIX = "; re-extract the head from the original checkpoint (`mtp-plugin extract`) or graft one that fits this trunk"
 LISTED = 4  # names quoted in one problem line before "…"

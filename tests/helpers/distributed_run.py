@@ -21,14 +21,14 @@ from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import sharded_load
 
-import mtp_plugin.health
-from mtp_plugin.lockstep import LockstepError
-from mtp_plugin.lookup import LookupSettings
+import mtp_plugin.head.health
+from mtp_plugin.decoding.lockstep import LockstepError
+from mtp_plugin.decoding.lookup import LookupSettings
 
 PROMPT = "def read_config(path):\n    \"\"\"Read a JSON configuration file.\"\"\"\n    with open(path) as f:\n"
 MAX_TOKENS = 32
 FORCED = LookupSettings(slope=0.0, first_prior=0.99)  # every match drafted: lookup cycles beside the head's
-mtp_plugin.health.PROBE_DRAFTS = 0  # random heads keep drafting: every cycle is a verify pass to keep in lockstep
+mtp_plugin.head.health.PROBE_DRAFTS = 0  # random heads keep drafting: every cycle is a verify pass to keep in lockstep
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import settle
+from ..head import norm_settling
 
 HISTORY_WINDOW = 32  # most pairs kept unfed for the head; older ones are dropped (``PendingPairs``)
 
@@ -139,7 +139,7 @@ class Drafter:
     def prefill(self, carry: mx.array | None, hidden: mx.array, tokens: mx.array) -> mx.array:
         """Feed the pairs a prompt chunk completes (``carry``: the previous chunk's last hidden, or None). The first
         pairs of a prompt first settle the head's open norm conventions when they carry enough evidence
-        (``settle.on_prompt``).
+        (``norm_settling.on_prompt``).
 
         Returns the chunk's last hidden state (1, 1, H), the next chunk's carry.
         """
@@ -147,7 +147,7 @@ class Drafter:
         pairs_tokens = tokens[1:] if carry is None else tokens
         if pairs_tokens.size and not self.stopped:
             if self.committed == 0:
-                settle.on_prompt(self.head, self.trunk, pairs_hidden, pairs_tokens, self.cache)
+                norm_settling.on_prompt(self.head, self.trunk, pairs_hidden, pairs_tokens, self.cache)
             self.feed(pairs_hidden, pairs_tokens, self.committed)
         self.committed += pairs_tokens.size
         return hidden[:, -1:]

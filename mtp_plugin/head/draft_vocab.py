@@ -27,8 +27,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import tuning
-from .files import atomic_write
+from .. import tuning
+from ..files import atomic_write
 
 FILE_NAME = "mtp_draft_vocab.json"
 OFF_ENV = "MTP_PLUGIN_FULL_VOCAB"
@@ -138,7 +138,7 @@ def attach(model, loaded) -> None:
     loaded.draft_vocab = None
     if os.environ.get(OFF_ENV, "") not in ("", "0"):
         return
-    from .plugins import hook
+    from ..plugins import hook
 
     model_dir = loaded.location.model_dir
     try:

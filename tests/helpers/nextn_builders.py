@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-from builders import build_head, build_model, save_checkpoint, trunk_weights
+
+from helpers.builders import build_head, build_model, save_checkpoint, trunk_weights
 
 KINDS = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
 LAYERS = 2  # trunk depth: the head is layer 2, an index DeepSeek-V3's own sanitize does not drop (it drops 61)
@@ -110,8 +111,8 @@ def distilled(kind: str, steps: int = 200, seed: int = 0) -> tuple[dict, dict, d
     import mlx.optimizers as optim
     from mlx.utils import tree_flatten
 
+    from mtp_plugin.decoding.trunk import trunk_parts
     from mtp_plugin.plugins import hook
-    from mtp_plugin.trunk import trunk_parts
 
     config = {**config_for(kind), "vocab_size": 256, "first_k_dense_replace": LAYERS + 1}  # dense MLPs: mlx-lm
     # 0.31's MoE router has no gradient (its expert indices lack ``stop_gradient``)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .conventions import quantization_of
+from ..head.conventions import quantization_of
 
 INITIALIZERS = {"Gaussian": (3.0, 0.5), "uniform": (1.8, 0.3)}  # kurtosis and tolerance (small-tensor noise)
 SAMPLE = 1 << 18  # entries per tensor (sampling error of a Gaussian kurtosis: about 0.01)

@@ -13,8 +13,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .checkpoint import HeadLocation, file_conventions, load_tensors
-from .conventions import (
+from ..files import atomic_write
+from ..head.conventions import (
     ABSOLUTE,
     CONTRACT_KEY,
     NORM_KEY,
@@ -27,8 +27,8 @@ from .conventions import (
     is_norm,
     quantization_of,
 )
-from .files import atomic_write
-from .plugins import hook
+from ..plugins import hook
+from .checkpoint import HeadLocation, file_conventions, load_tensors
 
 QUANT_KEY = "mtp_quantization"
 ROUTERS = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")  # kept at 8 bits, as mlx-lm does for MoE

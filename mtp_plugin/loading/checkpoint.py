@@ -15,9 +15,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .conventions import ZERO_CENTRED
-from .hookspecs import hookimpl
-from .plugins import hook
+from ..head.conventions import ZERO_CENTRED
+from ..hookspecs import hookimpl
+from ..plugins import hook
 
 SIDECAR_NAMES = ("mtp.safetensors", "mtp/weights.safetensors", "model-mtp.safetensors")
 CONFIG_KEYS = ("mtp_sidecar", "mtp_file", "mtp_weights")  # config.json keys naming a head file

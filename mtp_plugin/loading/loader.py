@@ -5,19 +5,22 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import draft_vocab, health, settle
+from ..head import draft_vocab, health, norm_settling
+from ..head.conventions import ZERO_CENTRED, Contract, NormDecision
+from ..head.health import HeadHealth
+from ..plugins import hook
+from .card import graft_command
 from .checkpoint import CheckpointError, HeadLocation, find_head, read_config
-from .conventions import ZERO_CENTRED, Contract, NormDecision
 from .diagnostics import head_statistics, judge
-from .health import HeadHealth
-from .hub.card import graft_command
-from .plugins import hook
-from .stats import MTPStats
 from .validation import Validation, validate
+
+if TYPE_CHECKING:
+    from ..decoding.stats import MTPStats
 
 log = logging.getLogger("mtp_plugin")
 
@@ -34,7 +37,7 @@ class LoadedHead:
         quantization: label per linear module path (``int4/g64``, ``bf16`` …).
         stats: counters of the last generation that used this head, or None.
         controller: the adaptive depth controller (``controller.DepthController``) of automatic-depth
-            generations, created by the first and kept for the next ones (``tuning.depth_policy``).
+            generations, created by the first and kept for the next ones (``options.depth_policy``).
         sampled_controller: the same for sampled generations (their acceptance is not greedy's).
         health: lifetime acceptance of the head and whether it is parked (``health.HeadHealth``).
         batching: a runtime adapter's state for batched MTP decoding with this head (e.g. its depth
@@ -151,14 +154,14 @@ def attach_head(model: nn.Module, model_dir: Path, config: dict, location: HeadL
     """Load the head of ``model_dir`` and keep it on ``model.mtp_head`` (a plain attribute, not a child).
 
     Norm conventions that the files leave open are kept open, read as stored, for the first prompt with enough
-    evidence to settle them (``settle.attach``); a draft vocabulary recorded by ``mtp-plugin tune`` is attached
+    evidence to settle them (``norm_settling.attach``); a draft vocabulary recorded by ``mtp-plugin tune`` is attached
     (``draft_vocab.attach``).
     Never raises for a bad head: the trunk stays usable, the problem is logged once as a warning.
     """
     try:
         model.mtp_head = load_head(model, model_dir, config, location)
         if model.mtp_head is not None:
-            settle.attach(model.mtp_head)
+            norm_settling.attach(model.mtp_head)
             draft_vocab.attach(model, model.mtp_head)
     except (CheckpointError, ValueError) as e:
         log.warning("mtp_plugin: MTP head ignored, decoding without it: %s", e)

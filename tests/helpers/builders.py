@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from mtp_plugin.conventions import is_norm
+from mtp_plugin.head.conventions import is_norm
 from mtp_plugin.plugins import hook
 
 ROPE = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0,

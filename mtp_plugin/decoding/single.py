@@ -13,6 +13,7 @@ as in mlx-lm's own loop. How and why: docs/decoding.md.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -22,14 +23,14 @@ from typing import Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..head.health import HeadHealth
 from . import rollback
 from .controller import PLAIN, FixedDepth
-from .coupling import GumbelDraws
 from .drafter import Drafter
 from .drafter import log_softmax as _log_softmax
-from .health import HeadHealth
 from .lockstep import NONE, Lockstep, LockstepError
 from .lookup import LookupPolicy
+from .sampling import GumbelDraws
 from .scheduler import CostModel, Decision, RowState, plan, pricing
 from .stats import MTPStats
 
@@ -301,6 +302,14 @@ class DepthPolicy(Protocol):
 
     def observe(self, depth: int, accepted: int, seconds: float) -> None:
         """The cycle that ran: its depth (0: plain step), drafts accepted, seconds spent in the loop."""
+
+
+class Block(enum.Enum):
+    """What produced the block of tokens being yielded (and what a queued successor is)."""
+
+    PROMPT = "the prompt pass"
+    PLAIN = "a plain trunk step"
+    CYCLE = "a draft-and-verify cycle"
 
 
 class _Stopwatch:
@@ -634,7 +643,7 @@ def generate(
         return decision
 
     def queue(decision: Decision | None):
-        """What produces the next block, queued now: ``("plain", step)``, ``("cycle", started cycle)`` or None;
+        """What produces the next block, queued now: ``(Block.PLAIN, step)``, ``(Block.CYCLE, started cycle)`` or None;
         and the seconds queueing took (part of that block's cost, not of the block being read)."""
         start = time.perf_counter()
         if decision is None:
@@ -643,12 +652,13 @@ def generate(
             cycle = loop.launch_lookup(list(decision.lookup), decision.match)
         else:
             cycle = None if decision.drafts == 0 else loop.launch(decision.drafts)
-        queued = ("plain", loop.plain_step()) if cycle is None else ("cycle", cycle)
+        queued = (Block.PLAIN, loop.plain_step()) if cycle is None else (Block.CYCLE, cycle)
         return queued, time.perf_counter() - start
 
     # Each block's successor is queued before the block is yielded (and, after a plain step or the prompt
     # pass, before its token is read), as mlx-lm queues step t+1 before reading token t.
-    kind, cycle, block_logprobs = "first", None, first
+    source, cycle, block_logprobs = Block.PROMPT, None, first
+    diverged = False
     following, launch = queue(ask(1, behind=True))
     block = loop.last.tolist()
     if lookup is not None:
@@ -665,14 +675,14 @@ def generate(
                 clock.resume()
                 if n == max_tokens:
                     return
-            if kind == "cycle":
+            if source is Block.CYCLE:
                 _record(stats, cycle, accepted, emitted)
-            elif kind == "plain":
+            elif source is Block.PLAIN:
                 stats.plain += 1
             emitted = 0
-            kind, item = following
+            source, item = following
             own_launch = launch
-            if kind == "plain":
+            if source is Block.PLAIN:
                 loop.take_plain(item)
                 block_logprobs = item[1]
                 following, launch = queue(ask(1, behind=True))
@@ -694,7 +704,7 @@ def generate(
                 while ok:  # an accepted draft: their call for it (the pass's next position) comes before its yield
                     walk.process()
                     emitted, n = emitted + 1, n + 1
-                    accepted = emitted  # what ``_settle`` keeps if the consumer stops here
+                    accepted = emitted  # what ``_close_cache`` keeps if the consumer stops here
                     clock.pause()
                     yield token, walk.logprobs[emitted - 1]
                     clock.resume()
@@ -719,11 +729,11 @@ def generate(
             else:
                 policy.observe(cycle.depth, accepted, seconds)
     except LockstepError:
-        kind = "diverged"  # the ranks no longer match: their caches are left as they are, unsettled
+        diverged = True  # the ranks no longer match: their caches are left as they are
         raise
     finally:
-        if kind != "diverged":
-            _settle(loop, kind, cycle, accepted, following, emitted, stats)
+        if not diverged:
+            _close_cache(loop, source, cycle, accepted, following, emitted, stats)
         if sampling is not None and sampling.coupled:  # as the runtime's loop: a draw per token, one queued ahead
             sampling.keyed.release(n + 1)
 
@@ -744,34 +754,35 @@ def _parks(health: HeadHealth, depth: int, outcome: int) -> bool:
     return health.observe(depth, outcome)
 
 
-def _settle(loop: _Loop, kind: str, cycle: _Cycle | None, accepted: int, following, emitted: int, stats) -> None:
+def _close_cache(loop: _Loop, source: Block, cycle: _Cycle | None, accepted: int, following, emitted: int,
+                 stats) -> None:
     """Leave the trunk cache holding exactly the prompt and every yielded token, as plain decoding does.
 
-    The block being yielded came from the prompt pass or a plain step (``kind`` "first" / "plain": one
+    The block being yielded came from the prompt pass or a plain step (``source`` PROMPT / PLAIN: one
     token) or from ``cycle``, committed to its first accepted+1 inputs; ``following`` (queued plain step,
     started cycle or None) has fed the block's last token to the trunk already.
     """
     if emitted == 0:  # raised between blocks: the previous block's last token is the cycle's first input
-        if kind == "cycle":
+        if source is Block.CYCLE:
             cycle.recorder.commit(loop.cache, 1)
             loop.after_pass()
             mx.eval([c.state for c in loop.cache])
         return
-    if kind == "plain":
+    if source is Block.PLAIN:
         stats.plain += 1
-    elif kind == "cycle":
+    elif source is Block.CYCLE:
         _record(stats, cycle, min(accepted, emitted), emitted)
     pending = []  # the processors' call for the newest yielded token, where it was not made yet
-    if kind != "cycle" or emitted == accepted + 1:  # the newest token was yielded: it must be in the cache
+    if source is not Block.CYCLE or emitted == accepted + 1:  # the newest token was yielded: it must be in the cache
         if following is None:
             pending = loop.feed_last()
-        elif following[0] == "cycle":
+        elif following[0] is Block.CYCLE:
             following[1].recorder.commit(loop.cache, 1)
             if following[1].walk is not None:
                 pending = [following[1].walk.process()]
     else:  # stopped inside the accepted drafts: undo what the successor fed, roll back within the cycle
         if following is not None:
-            fed = 1 if following[0] == "plain" else following[1].inputs.size
+            fed = 1 if following[0] is Block.PLAIN else following[1].inputs.size
             for c in loop.cache:
                 if id(c) not in cycle.recorder.layers and c.is_trimmable():
                     c.trim(fed)

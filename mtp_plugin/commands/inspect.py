@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint import CheckpointError, HeadLocation, find_head, trunk_headers
-from ..conventions import describe_quantization
-from ..diagnostics import head_statistics, judge
-from ..hub.card import graft_command
+from ..head.conventions import describe_quantization
+from ..loading.card import graft_command
+from ..loading.checkpoint import CheckpointError, HeadLocation, find_head, trunk_headers
+from ..loading.diagnostics import head_statistics, judge
+from ..loading.validation import Validation, validate
 from ..plugins import hook
-from ..validation import Validation, validate
 
 
 def trunk_quantization(location: HeadLocation, headers: dict) -> str:

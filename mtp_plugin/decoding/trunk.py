@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
-from .hookspecs import hookimpl
+from ..hookspecs import hookimpl
 from .lockstep import Lockstep, gather_rows, group_of, sharded_rows
 
 
@@ -74,7 +74,7 @@ class PromptInputs:
 
 
 class StackTrunk:
-    """The trunk functions the decoding loop needs (``decoding.Trunk``), over a runtime's decoder-stack model
+    """The trunk functions the decoding loop needs (``single.Trunk``), over a runtime's decoder-stack model
     (``trunk_parts``): Qwen3.5 / Qwen3-Next of mlx-lm and mlx-vlm, DeepSeek-V3, GLM-4 MoE.
 
     ``hidden`` returns the decoder stack's output after its final norm (contract ``post_norm``), or
@@ -221,19 +221,20 @@ def mtp_trunk(model, contract):
 
 @hookimpl(trylast=True)
 def mtp_generate_step(prompt, model, options):
-    """``decoding.generate`` over a ``StackTrunk`` for any model with a head that drafts (a family with its own loop
+    """``single.generate`` over a ``StackTrunk`` for any model with a head that drafts (a family with its own loop
     answers first), or over a ``LogitsTrunk`` with lookup drafts only when ``options`` carry a ``lookup`` policy and
     the model has no head that drafts; else None (stock decoding: a parked head, no lookup)."""
-    from . import decoding
+
+    from . import single
 
     loaded = _loaded(model, drafting=True)
     if loaded is None:
         if options.get("lookup") is None or "prompt_inputs" in options:
             return None
         options = {**options, "head_cache": None}
-        return decoding.generate(prompt, LogitsTrunk(model), None, **options)
+        return single.generate(prompt, LogitsTrunk(model), None, **options)
     head, options = loaded.module, dict(options)
     trunk = StackTrunk(model, head.contract, options.pop("prompt_inputs", None))
     group = group_of(model)
-    return decoding.generate(prompt, trunk, head, health=loaded.health, draft_vocab=loaded.draft_vocab,
+    return single.generate(prompt, trunk, head, health=loaded.health, draft_vocab=loaded.draft_vocab,
                              lockstep=None if group is None else Lockstep(group), **options)

@@ -38,7 +38,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import rollback
-from .decoding import (
+from .drafter import PendingPairs, draft_logits, log_softmax, propose
+from .scheduler import RowState
+from .single import (
     NONFINITE,
     Sampling,
     Walk,
@@ -47,8 +49,6 @@ from .decoding import (
     processed_logprobs,
     reject_nonfinite,
 )
-from .drafter import PendingPairs, draft_logits, log_softmax, propose
-from .scheduler import RowState
 from .stats import MTPStats
 
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mtp_plugin.conventions import is_norm
+from mtp_plugin.head.conventions import is_norm
 
-TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5"
+TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-qwen3_5"
 MARGIN = 1.1  # the smallest effective scale of a rescaled norm: its stored entries are all ≥ 0.1
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mtp_plugin.adapters.patching import release
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MLX4, HF = REPO / "examples" / "tiny-qwen3_5" / "mlx-4bit", REPO / "examples" / "tiny-qwen3_5" / "hf"
 BIN = Path(sys.executable).parent
 PROMPT = "def read_config(path):\n    \"\"\"Read a JSON configuration file.\"\"\"\n    with open(path) as f:\n"

@@ -1,0 +1,1 @@
+"""The decoding engine: draft, verify, roll back, and schedule each pass (single stream and batch)."""

@@ -1,0 +1,1 @@
+"""The head: its module, norm conventions and their settling, health, draft vocabulary."""

@@ -1,0 +1,1 @@
+"""Test helpers: checkpoint builders, the Hub stand-in, console-script and distributed runs (not tests)."""
