@@ -1,15 +1,7 @@
-"""Zero-configuration activation, loaded at interpreter start-up by ``mtp_plugin.pth``.
-
-Start-up cost is one tiny module and one ``sys.meta_path`` entry: no mlx, mlx-lm or pluggy import.
-When ``mlx_lm``, ``mlx_lm.server``, ``mlx_vlm`` or ``mlx_vlm.server`` is imported later, the hook runs
-``mtp_plugin.patch()`` right after the package has executed. ``MTP_PLUGIN_DISABLE=1`` turns it off. A patch error
-never breaks the host program: it is logged once and every runtime is left stock.
-
-``python -m mlx_lm.server`` (and the other runtime commands in ``COMMANDS``) runs the module's code as
-``__main__``, a second copy the patches never reach: runpy asks the module's loader for that code
-(``get_code``), and the hook answers with code that imports the module as itself (patched) and runs its
-``if __name__ == "__main__":`` block there, so the plugin is active as in the console script.
-"""
+"""Zero-configuration activation, loaded at start-up by ``mtp_plugin.pth``: a ``sys.meta_path`` hook (no mlx, mlx-lm
+or pluggy import) that runs ``mtp_plugin.patch()`` after a ``WATCHED`` package executes and runs a ``COMMANDS`` module's
+main block, under ``python -m``, in the imported, patched module. ``MTP_PLUGIN_DISABLE=1`` turns it off; a patch error
+is logged once and leaves every runtime stock."""
 
 import os
 import sys

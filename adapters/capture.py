@@ -1,38 +1,6 @@
-"""Capture points for rollback, wired inside a runtime's GatedDeltaNet layers (active only during a verify pass).
-
-The layer call keeps its whole conv input window in the cache; ``gated_delta_update`` leaves, for
-``rollback.Recorder.commit`` to restore any prefix, either every verified token's recurrent state (capture) or the
-state before the pass with the update's inputs (replay: ``rollback``'s docstring). The states, and the verify pass's
-outputs, must be those plain decoding computes, one token per call.
-
-Capture, two ways:
-
-* **One call** (``capture_states``, first choice): the runtime's own per-token-states update where it has one
-  (mlx-vlm ≥ 0.6.8's ``gated_delta_update_with_states``: its ops on the CPU and CUDA, its Metal kernel, the same
-  arithmetic per step as the one-token kernel); else the runtime's own update once over the S verified tokens,
-  where the runtime computes it as a loop of its single-token step (mlx-lm's ``gated_delta_ops`` calling
-  ``_gated_delta_step_ops``: every backend but Metal), the wrapped step (``record_steps``) keeping each state. Either
-  way each step sees exactly the inputs a one-token call gives it (gates and β are elementwise), so outputs and
-  states equal the per-token ones bit for bit (``tests/test_capture.py``), for one update's host cost instead of S.
-* **Per token** (fallback): S one-token calls of the update. Used where neither applies (mlx-lm's fused Metal
-  kernel); the first such call is detected (fewer recorded steps than tokens), its lazy result dropped
-  unevaluated, and that update goes per token from then on.
-
-Replay: the verify pass is one call of the runtime's update as plain decoding steps it (mlx-vlm's per-token-states
-update, asked for no states where it takes ``state_steps``, since its plain multi-token update is a chunked scan
-that rounds differently on the CPU; else the update itself: mlx-lm's ops loop, or its fused Metal kernel, whose
-per-thread loop over tokens is the arithmetic of its one-token calls); a rejection replays the same call over the
-accepted prefix from the state before the pass.
-
-Which: ``rollback.mode()``. "capture" and "replay" as forced; "auto" (the default) captures in one call where that
-is possible and replays where capture would take S one-token calls (mlx-lm on Metal). On the CPU capture's states
-are computed by the verify pass anyway, so keeping them costs nothing, while a replay adds an update over the
-prefix to every cycle with a rejection (``mtp-plugin bench`` prints both).
-
-Both accept the call forms of mlx-lm and of mlx-vlm (extra layer keywords such as mlx-vlm 0.6's
-``gdn_sink``/``target_verify``; mlx-vlm 0.7's ``gated_delta_update(..., cache=, cache_index=)``,
-where the cache owns the recurrent state).
-"""
+"""Capture points for rollback in a runtime's GatedDeltaNet layers, active only during a verify pass: the conv
+window, and what restores the recurrent state to any verified prefix (each token's state, or replay inputs), bit for
+bit plain decoding's (``tests/test_capture.py``). Runtime internals: ``capture_states``. Design: docs/decoding.md."""
 
 from __future__ import annotations
 
@@ -49,11 +17,8 @@ from mtp_plugin.plugins import hook
 
 
 def capture_conv_window(call):
-    """Wrap a GatedDeltaNet ``__call__``: during a verify pass, keep the whole conv input in the cache.
-
-    The layer keeps ``conv_kernel_size - 1`` trailing rows of its conv input; widening the kernel size
-    by the S verified tokens for the call makes it keep all K-1+S rows (the weights are untouched).
-    """
+    """Wrap a GatedDeltaNet ``__call__``: during a verify pass of S tokens, ``conv_kernel_size`` K is widened by S so
+    the cache keeps all K-1+S conv input rows (weights untouched)."""
 
     @functools.wraps(call)
     def wrapper(self, inputs, mask=None, cache=None, **kwargs):
@@ -91,9 +56,7 @@ def record_steps(step):
 
 
 def _one_call(update, args, kwargs, tokens: int, with_states=None):
-    """``(out, state, states)`` of one call over ``tokens`` tokens: of the runtime's per-token-states update
-    ``with_states`` when given (and no runtime-specific keyword is passed), else of ``update`` with every step's state
-    recorded; None (its lazy result dropped) when that call did not step token by token."""
+    """``(out, state, states)`` of one call (``with_states``, else ``update`` recorded); None if not stepwise."""
     if with_states is not None and not kwargs.keys() - {"use_kernel"}:
         out, state, states = with_states(*args, **kwargs)
         return out, state, [states[:, t] for t in range(tokens)]
@@ -112,8 +75,7 @@ def _one_call(update, args, kwargs, tokens: int, with_states=None):
 
 
 def _final_only(with_states):
-    """``(out, state)`` of the runtime's per-token-states update ``with_states``, asking it for no states where it
-    takes ``state_steps`` (mlx-vlm ≥ 0.7); elsewhere its states are built lazily and never evaluated."""
+    """``(out, state)`` of ``with_states``, asking for no states where it takes ``state_steps`` (mlx-vlm ≥ 0.7)."""
     keywords = {"state_steps": 0} if "state_steps" in inspect.signature(with_states).parameters else {}
 
     def run(*args, **kwargs):
@@ -124,8 +86,7 @@ def _final_only(with_states):
 
 
 def _replay(run, args: tuple, length: int, rows=None):
-    """The state after the first ``length`` tokens of the pass ``run(*args)``, from its initial state, in one call;
-    ``rows`` (B, length) bool: the tokens each row takes (with the pass's own mask)."""
+    """State after the first ``length`` tokens of the pass ``run(*args)``; ``rows`` (B, length) bool: tokens taken."""
     q, k, v, a, b, A_log, dt_bias, state, mask = args
     mask = mask if mask is None else mask[:, :length]
     if rows is not None:
@@ -135,14 +96,14 @@ def _replay(run, args: tuple, length: int, rows=None):
 
 
 def capture_states(update, with_states=None):
-    """Wrap ``gated_delta_update``: during a verify pass, record what restores any prefix (module docstring): every
-    token's state in one call where the runtime offers per-token states (``with_states``) or steps token by token,
-    else (way "replay", or "auto" where capture takes one call per token) the replay of the pass; way "capture"
-    there: one call per token.
+    """Wrap ``gated_delta_update``: during a verify pass, record what restores any prefix (``rollback.mode()`` decides).
 
-    Single-token steps are what plain decoding runs, so the verified states equal plain decoding's.
-    With ``cache=`` (mlx-vlm ≥ 0.7) the initial state is read from and the final one written to
-    ``cache[cache_index]``, as the runtime's own cache-owned update does.
+    Capture: one call of mlx-vlm ≥ 0.6.8's ``gated_delta_update_with_states``, or of an ``update`` that loops its
+    single-token step (mlx-lm's ``gated_delta_ops`` over ``_gated_delta_step_ops``, kept by ``record_steps``); else
+    (mlx-lm's fused Metal kernel, detected on first use) one call per token, or under "auto" replay. Replay: the pass
+    as plain decoding steps it (mlx-vlm: the per-token-states update with no states, as its multi-token update is a
+    chunked scan that rounds differently on the CPU), re-run over the accepted prefix after a rejection. Accepts mlx-vlm
+    0.6's extra layer keywords and 0.7's ``cache=`` / ``cache_index=`` (state read from and written to the cache).
     """
     stepped = None if with_states is None else _final_only(with_states)
 
@@ -184,17 +145,11 @@ def capture_states(update, with_states=None):
 
 
 def install(patches, runtime: str) -> dict[str, bool]:
-    """Wire the capture points into ``runtime``'s GatedDeltaNet layers that the families list
-    (``mtp_capture_points``).
+    """Wire capture points into ``runtime``'s GatedDeltaNet layers that the families list (``mtp_capture_points``).
 
-    Args:
-        patches: the adapter's ``Patches`` (so that unpatching removes them).
-        runtime: ``"mlx_lm"`` or ``"mlx_vlm"``; a listed module ``m`` is ``{runtime}.models.{m}`` and must define
-            the layer class and ``gated_delta_update``.
-
-    Returns:
-        ``{model_type: wired}`` for every listed model type (a missing module or class is not wired: those
-        checkpoints decode stock). A model type not listed needs no capture points (``rollback_ready``).
+    ``runtime``: ``"mlx_lm"`` or ``"mlx_vlm"``; a listed module ``m`` is ``{runtime}.models.{m}`` and must define the
+    layer class and ``gated_delta_update``. Returns ``{model_type: wired}`` for every listed type (a missing module or
+    class is not wired: those checkpoints decode stock); an unlisted type needs none.
     """
     listed = [item for items in hook().mtp_capture_points(runtime=runtime) for item in items]
     wired: dict[tuple[str, str], bool] = {}

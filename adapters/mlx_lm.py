@@ -1,11 +1,6 @@
-"""mlx-lm adapter: load-time strip-and-keep of head tensors, MTP decoding, server integration.
-
-Stock mlx-lm 0.30.7–0.31.3 shifts every RMSNorm a second time when it sees ``mtp.*`` keys (the
-"garbage" bug) and Qwen3-Next raises on them; wrapping each handled model class's ``sanitize`` so
-that it never sees head tensors fixes both on every version. ``load_model`` is wrapped to load the
-head from its files and keep it on ``model.mtp_head``. Decoding (``mlx_lm_decoding.py``) and
-``mlx_lm.server`` (``mlx_lm_server.py``, patched when that module is imported) use the head.
-"""
+"""mlx-lm adapter: each handled model class's ``sanitize`` never sees head tensors (mlx-lm 0.30.7–0.31.3 shift RMSNorms
+a second time on ``mtp.*`` keys; Qwen3-Next raises on them), ``load_model`` keeps the head on ``model.mtp_head``;
+decoding in ``mlx_lm_decoding``, ``mlx_lm.server`` in ``mlx_lm_server``. Design: docs/checkpoints.md#head-forms."""
 
 from __future__ import annotations
 

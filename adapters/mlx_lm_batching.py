@@ -1,10 +1,6 @@
-"""mlx-lm adapter, continuous batching: MTP cycles inside mlx-lm's own ``BatchGenerator``.
-
-A server generator built by ``batching_model(model)`` keeps mlx-lm's scheduling; its prompt batches also feed each
-row's head, and its generation batch is an ``MTPGenerationBatch``: each ``next`` runs one batched cycle
-(``mtp_plugin.decoding.batch``) with the rows' drafts decided together (``mtp_plugin.decoding.scheduler``) and answers
-mlx-lm ``Response``s with mlx-lm's stop and length rules. Design: docs/mlx-lm-server.md.
-"""
+"""mlx-lm adapter, continuous batching: MTP cycles inside mlx-lm's own ``BatchGenerator`` (``batching_model``). Its
+prompt batches also feed each row's head; its generation batch is an ``MTPGenerationBatch`` running batched cycles
+(``decoding.batch``, drafts planned by ``decoding.scheduler``). Design: docs/mlx-lm-server.md."""
 
 from __future__ import annotations
 
@@ -42,9 +38,8 @@ STORED_HEADS = 32  # finished requests whose head caches are kept for requests t
 
 @dataclass
 class HeadRow:
-    """A request's head while its prompt is processed: its own KV cache, the last unpaired hidden state, and
-    whether its cache holds the pair of every context position from the first (not so after a reused prompt
-    cache the head had no pairs for)."""
+    """A request's head while its prompt is processed: its KV cache, the last unpaired hidden state (``carry``), and
+    whether its cache holds the pair of every context position from the first (``whole``)."""
 
     drafter: Drafter
     carry: mx.array | None = None
@@ -53,20 +48,18 @@ class HeadRow:
 
 @dataclass
 class BatchContext:
-    """What MTP batching keeps for one model: the trunk and head functions, the depth policies of batched
-    cycles (one per batch size class: a verify pass of B rows × (d+1) tokens costs more than one of 1 × (d+1),
-    so each class measures its own costs; kept across generators), each waiting request's MTP options and
-    each prompt row's head."""
+    """What MTP batching keeps for one model: trunk and head functions, a depth policy per batch size class (kept across
+    generators), each waiting request's MTP options and each prompt row's head."""
 
     trunk: object
     drafter: BatchDrafter
-    health: object  # the loaded head's ``health.HeadHealth``: a parked head drafts no more
+    health: object  # the loaded head's ``head.health.HeadHealth``: a parked head drafts no more
     start: int  # the depth a new policy starts at (tuned, else the default)
     policies: dict = field(default_factory=dict)  # batch size class (B.bit_length()) -> DepthController
     options: dict = field(default_factory=dict)  # uid -> the server's MTPRequest (or None)
     heads: dict = field(default_factory=dict)  # uid -> HeadRow
     store: OrderedDict = field(default_factory=OrderedDict)  # tokens -> head of a finished request (``remember``)
-    lockstep: Lockstep | None = None  # a model sharded over ranks: rank 0 chooses the depth (``lockstep.py``)
+    lockstep: Lockstep | None = None  # a model sharded over ranks: rank 0 chooses the depth (``decoding.lockstep``)
     costs: CostTable | None = None  # the model's verify costs per batch size (``scheduler.costs_of``)
     lookup_prior: Chain | None = None  # sampled rows' lookup prior (``lookup.sampled_prior``)
     failed: str | None = None  # why batched MTP stopped after a fault of the plugin's (then every batch is stock)
@@ -77,8 +70,7 @@ class BatchContext:
     accepted: int = 0
 
     def fail(self, error: Exception) -> None:
-        """A fault in the plugin's batched path: every batch of this model decodes stock from now on (one warning,
-        with the traceback to report)."""
+        """A fault in the plugin's batched path: every batch of this model decodes stock from now on (one warning)."""
         if self.failed is None:
             self.failed = f"{type(error).__name__}: {error}"
             log.warning("mtp_plugin: batched MTP failed (%s); its requests and later ones decode without the head",
@@ -124,9 +116,8 @@ class BatchContext:
         row.carry, row.whole, row.drafter.committed = hidden[:, last - fed : last - fed + 1], True, last
 
     def policy(self, rows: int) -> DepthController:
-        """The depth policy of batches of ``rows`` rows (1, 2-3, 4-7, 8-15, …). A single row starts at the tuned
-        depth; larger batches start parked and draft only when their probes measure a gain (batching already
-        shares each weight read among the rows, so a verify pass gains less there)."""
+        """The depth policy of batches of ``rows`` rows (classes 1, 2-3, 4-7, …): one row starts at the tuned depth,
+        larger batches start parked."""
         size = rows.bit_length()
         if size not in self.policies:
             self.policies[size] = DepthController(self.start if size == 1 else PLAIN)
@@ -179,10 +170,9 @@ def batching_model(model) -> BatchingModel | None:
 
 
 def headless_context(model) -> BatchContext | None:
-    """The batching context of a model without a head when the server drafts from the context (``--mtp-lookup``) and its
-    trunk can be rolled back (its model type got capture points, or every cache trims), on one process; kept on the
-    model (``mtp_lookup_batching``) across generators. None otherwise, and with one warning when the model's caches
-    cannot even be made here: stock batching."""
+    """The batching context of a model without a head when the server runs with ``--mtp-lookup`` on one process and
+    its trunk can be rolled back; kept on the model (``mtp_lookup_batching``). None: stock batching (one warning when
+    the model's caches cannot be made here)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     if not command_line().lookup or group_of(model) is not None:
@@ -207,8 +197,7 @@ def headless_context(model) -> BatchContext | None:
 
 
 def context_of(batch) -> BatchContext | None:
-    """The MTP batching context of a prompt or generation batch's model (None: stock batching, also after a
-    fault)."""
+    """The MTP batching context of a batch's model (None: stock batching, also after a fault)."""
     ctx = getattr(batch.model, "mtp_batching", None)
     return None if ctx is None or ctx.failed else ctx
 
@@ -297,10 +286,8 @@ class MTPGenerationBatch:
     """mlx-lm's ``GenerationBatch`` interface (``uids``, ``prompt_cache``, ``tokens``, ``extend``, ``filter``,
     ``extract_cache``, ``next``), decoding every row with MTP cycles.
 
-    ``tokens[i]`` always lists the tokens in row i's trunk cache. Between cycles a row's newest emitted token
-    (``Row.last``) is not in it; while every row decodes plain, steps are pipelined as mlx-lm's own
-    ``GenerationBatch`` does (``ahead``: the step on every row's ``last`` is queued before its token is read), and
-    the call that returns to drafting emits the queued tokens first.
+    ``tokens[i]`` lists the tokens in row i's trunk cache; between cycles ``Row.last`` is not in it. While no row
+    drafts, plain steps are pipelined as mlx-lm's (``ahead``); the call that returns to drafting emits them first.
     """
 
     def __init__(self, model, fallback_sampler):
@@ -407,10 +394,8 @@ class MTPGenerationBatch:
         return [c.extract(idx) for c in self.prompt_cache]
 
     def _depths(self, ctx: BatchContext, policy: DepthController, proposed: int) -> list[int]:
-        """Each row's head depth this cycle: its own, or the policy's (asked once) for rows that follow it; 0 for
-        every row once the head is parked. Ranks in lockstep take rank 0's policy's depth, after checking that
-        they hold the same rows at the same point, with lookup proposals of ``proposed`` tokens in all
-        (``lockstep.Lockstep.agree``)."""
+        """Each row's head depth this cycle: its own or the policy's; 0 once the head is parked. Ranks in lockstep take
+        rank 0's depth after agreeing on rows, position and ``proposed`` lookup tokens (``Lockstep.agree``)."""
         parked = ctx.health.parked
         auto = policy.next_depth() if not parked and any(r.depth is None for r in self.rows) else None
         if ctx.lockstep is not None:
@@ -423,12 +408,8 @@ class MTPGenerationBatch:
         return [auto if r.depth is None else r.depth for r in self.rows]
 
     def _decide(self, ctx: BatchContext, policy: DepthController) -> tuple[list[int], list[Decision]]:
-        """The rows' head depths (``_depths``, or those asked before the queued plain step was settled) and every
-        row's decision for this cycle, taken for the whole pass (``scheduler.plan``: a row's lookup draft widens the
-        pass only where the batch gains and no row falls below its plain rate). Lookup drafts never exceed a row's
-        remaining tokens; a queued plain step holds each row's next token, not read yet (``behind``). Ranks in
-        lockstep take rank 0's depths, check that their lookup proposals agree, and plan from the static cost
-        prior."""
+        """The rows' head depths and every row's decision for this pass (``scheduler.plan``). Lookup drafts never
+        exceed a row's remaining tokens; ranks in lockstep plan from the static cost prior."""
         behind = self.ahead is not None
         asks = [row.schedule.ask(0, self.max_tokens[i] - self.num_tokens[i] - 1 - behind, behind)
                 for i, row in enumerate(self.rows)]
@@ -492,8 +473,7 @@ class MTPGenerationBatch:
                     self.stops, self.max_tokens, strict=True)]
 
     def _fall_back(self, rows: list[Resume], error: Exception | None = None) -> None:
-        """Become mlx-lm's own ``GenerationBatch`` of ``rows`` (their state before the failing call); ``error``, the
-        fault, stops batched MTP for the model with one warning. Every later call is stock."""
+        """Become mlx-lm's own ``GenerationBatch`` of ``rows``; ``error`` stops batched MTP for the model."""
         if error is not None:
             self.model.mtp_batching.fail(error)
         stock = stock_batch(self.model.model, self.fallback_sampler, rows)
@@ -563,9 +543,8 @@ class MTPGenerationBatch:
         return self._respond(ctx, [[t] for t in tokens], step.logprobs[:, None], finished)
 
     def _final_calls(self, ctx: BatchContext, finished: list, unfed: list[bool]) -> None:
-        """The processors' call for the last token of each row with processors that finishes on a token no pass fed
-        (``unfed``): mlx-lm's ``GenerationBatch`` feeds a row's last token, and calls its processors on it, in the
-        step that emits it (``BatchDrafter.final_call``: one trunk step on a copy of the row's cache)."""
+        """Call the processors on the last token of each finishing row whose token no pass fed (``unfed``), as mlx-lm's
+        ``GenerationBatch`` does (``BatchDrafter.final_call``: one trunk step on a copy of the row's cache)."""
         for i, row in enumerate(self.rows):
             if finished[i] is not None and unfed[i] and row.processors:
                 ctx.drafter.final_call(row, self.extract_cache(i))
@@ -579,8 +558,7 @@ class MTPGenerationBatch:
         return ctx.drafter.plain(batch.rows, batch.prompt_cache, mx.array(last, dtype=mx.uint32))
 
     def _take(self, step: Step) -> list[int]:
-        """Read a plain step's tokens: each becomes its row's ``last``, paired for the head with the hidden state
-        of the token it follows."""
+        """A plain step's tokens: each becomes its row's ``last``, paired with the previous token's hidden state."""
         tokens = step.tokens.tolist()
         for i, row in enumerate(self.rows):
             row.keep(step.hidden[i : i + 1], step.tokens[i : i + 1])

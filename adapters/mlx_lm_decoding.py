@@ -1,17 +1,6 @@
-"""mlx-lm adapter, decoding side: the generate-step override, samplers, CLI flags.
-
-* ``generate_step`` is wrapped: a model with a loaded head decodes through ``mtp_generate_step``;
-  anything else (no head, ``enable_mtp=False``, input embeddings, a custom sampler) is stock.
-  ``mtp_depth`` 1..8 fixes the draft depth; 0 / None (automatic) runs the adaptive controller, starting
-  from the depth ``mtp-plugin tune`` recorded for the model (``tuning.py``); a depth policy object is used
-  as given. ``mtp_lookup`` adds drafts from the context (``lookup.py``): on by default with a head; True also decodes
-  a model without one (a trunk the rollback supports) with lookup drafts only.
-* ``make_sampler`` is wrapped to describe the samplers it makes (temperature and filters, mlx-lm's
-  own ``apply_*`` functions in mlx-lm's order) so that rejection sampling uses exactly that distribution.
-* ``generate`` is wrapped to print which head is used (stderr) and the MTP summary line after
-  mlx-lm's own figures; ``setup_arg_parser`` gains ``--mtp-depth N`` (0 = automatic), ``--no-mtp`` and
-  ``--mtp-lookup`` / ``--no-mtp-lookup``.
-"""
+"""mlx-lm adapter, decoding side: ``generate_step`` wrapped to decode through ``mtp_generate_step`` (a loaded head, or
+lookup drafts), ``generate`` to print the MTP line, ``setup_arg_parser`` given ``--mtp-depth N`` (0: adaptive),
+``--no-mtp`` and ``--[no-]mtp-lookup``. Design: docs/decoding.md."""
 
 from __future__ import annotations
 
@@ -36,24 +25,19 @@ from .mlx_lm_sampling import SAMPLINGS
 from .patching import release
 
 log = logging.getLogger("mtp_plugin")
-# mlx-lm < 0.32 shows logits processors only the tokens after the chunked prefill (measured on 0.31.3).
+# mlx-lm < 0.32 shows logits processors only the tokens after the chunked prefill (0.31.3).
 PREFILL_IN_HISTORY = release("mlx-lm") >= (0, 32, 0)
 CAPTURED: dict[str, bool] = {}  # model type -> its layers needing capture points got them (``capture.install``)
 TOLD_HEADLESS: set[int] = set()  # ids of models told why an explicit depth decodes stock (``warn_headless``)
 
 
 def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured: bool = False) -> dict | None:
-    """Options for ``mtp_generate_step`` from ``generate_step``'s keyword arguments (its defaults filled in),
-    or None for stock decoding. ``lookup``: the generation's ``mtp_lookup`` option (``lookup.lookup_policy``).
-    ``loaded`` None: a model without a head, decoded with lookup drafts only when it asks for them and its trunk can be
-    rolled back: ``captured`` (its model type got capture points) or every cache trimmable.
+    """Options for ``mtp_generate_step`` from ``generate_step``'s keywords (defaults filled in), or None for stock.
 
-    Every stock option is honoured exactly: ``max_kv_size`` as ``make_prompt_cache`` does (Qwen3.5-family
-    models build their own caches and ignore it), ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start``
-    by mlx-lm's own ``maybe_quantize_kv_cache`` after every committed pass (``kv_quantizer``). A rotating
-    KV cache (a ``prompt_cache`` holding ``RotatingKVCache`` layers) is exact while it never wraps; one that
-    could wrap during this generation cannot be rolled back, and decodes stock with a warning. A sampled generation
-    draws position-keyed (``Sampling.with_coupling``): a seed fixes its tokens whatever it drafts.
+    ``loaded`` None: a model without a head, decoded with lookup drafts only when asked and its trunk can be rolled
+    back (``captured``: its model type got capture points; or every cache trimmable). ``max_kv_size`` acts through
+    ``make_prompt_cache``, KV quantization through ``kv_quantizer``; a ``RotatingKVCache`` that could wrap during this
+    generation decodes stock (one warning). Sampling draws position-keyed (``Sampling.with_coupling``).
 
     Raises:
         ValueError: a bad ``mtp_depth`` (``options.depth_policy``) or ``mtp_lookup`` (``lookup.lookup_policy``).
@@ -107,14 +91,9 @@ def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured
 
 
 def kv_quantizer(bits: int | None, group_size: int, start: int):
-    """The loop's ``cache_step`` for mlx-lm's KV quantization options, None without ``kv_bits``.
-
-    After each committed pass it runs mlx-lm's ``maybe_quantize_kv_cache`` (each ``KVCache`` becomes a
-    ``QuantizedKVCache`` once its offset reaches ``start``), as mlx-lm's loop does after each step. Until
-    then a pass may only feed tokens that stay below ``start - 1``, so that no verified position is
-    computed against a full-precision cache where mlx-lm would have quantized it, and no cycle that
-    may later be rolled back crosses the switch: the token reaching ``start`` is a plain step.
-    """
+    """The loop's ``cache_step`` for mlx-lm's KV quantization (None without ``kv_bits``): after each committed pass,
+    mlx-lm's ``maybe_quantize_kv_cache``; until every cache is quantized it returns how many tokens the next pass may
+    feed so that none passes ``start - 1`` (the token reaching ``start`` is a plain step, as in mlx-lm's loop)."""
     if bits is None:
         return None
     from mlx_lm.generate import maybe_quantize_kv_cache
@@ -143,12 +122,8 @@ def on_stream(tokens, stream):
 
 
 def mtp_generate_step(generate_step, captured: dict[str, bool]):
-    """Wrap ``generate_step``: MTP for a model with a loaded head whose trunk can be rolled back
-    (``capture.rollback_ready``).
-
-    The MTP loop runs on the stream the call names (mlx-lm ≥ 0.32: ``generate_step``'s ``stream``; earlier
-    versions: mlx-lm's ``generation_stream``), as mlx-lm's loop does.
-    """
+    """Wrap ``generate_step``: MTP for a model with a loaded head whose trunk can be rolled back (``rollback_ready``),
+    on the stream the call names (mlx-lm ≥ 0.32: ``generate_step``'s ``stream``; earlier: ``generation_stream``)."""
 
     defaults = {name: p.default for name, p in inspect.signature(generate_step).parameters.items()
                 if p.kind is p.KEYWORD_ONLY}
@@ -181,10 +156,9 @@ def mtp_generate_step(generate_step, captured: dict[str, bool]):
 
 
 def agreed(model, loaded, prompt, options: dict | None, sampler, stream) -> bool:
-    """Whether this generation may decode with MTP (``options`` not None) as far as the other ranks go: always, on one
-    process; for a model sharded over ranks (``lockstep.group_of``), only when every rank chose MTP, after checking
-    that every rank has the prompt's length and sampling (``lockstep.Lockstep.start``). The collective runs on the
-    generation's ``stream``, after the passes a previous generation may have left queued there.
+    """Whether this generation may decode with MTP (``options`` not None) as far as other ranks go: on a model sharded
+    over ranks (``lockstep.group_of``), only when every rank chose MTP with the same prompt length and sampling
+    (``Lockstep.start``, run on ``stream``).
 
     Raises:
         lockstep.LockstepError: on every rank, when the prompts' lengths or the sampling differ between ranks.
@@ -201,8 +175,7 @@ def agreed(model, loaded, prompt, options: dict | None, sampler, stream) -> bool
 
 
 def warn_headless(model, depth) -> None:
-    """Say once per model, as a logging warning, why an explicit draft ``depth`` (anything but None or 0, the
-    automatic default) decodes stock on ``model``: it has no usable MTP head."""
+    """Warn once per model that an explicit draft ``depth`` (not None or 0) decodes stock: no usable MTP head."""
     if depth is None or (type(depth) is int and depth == 0) or id(model) in TOLD_HEADLESS:
         return
     TOLD_HEADLESS.add(id(model))

@@ -1,12 +1,6 @@
-"""mlx-lm adapter, files from the Hugging Face Hub: the head's files are fetched with the trunk's.
-
-mlx-lm's ``utils._download`` fetches a repository's files through an ``allow_patterns`` filter: by default
-``model*.safetensors`` and the small files, so a sidecar head (``mtp.safetensors``, ``mtp/weights.safetensors``) never
-arrives; and ``sharded_load`` (``mlx.launch``) gives a pipeline rank only the shards of its own layers, so a shard that
-holds head tensors reaches only the rank whose layers it also holds. ``_download`` is wrapped: after a fetch from the
-Hub, the files that may hold the head (``head_files``) and are not there yet are fetched with the same function, so
-every rank holds the head whatever layers it runs. A local directory is never touched.
-"""
+"""mlx-lm adapter, Hub downloads: ``utils._download`` wrapped so the head's files (``head_files``) come with the trunk's
+on every rank (mlx-lm's ``allow_patterns`` skip sidecars; ``sharded_load`` gives a rank only its own layers' shards).
+A local directory is never touched. Design: docs/distributed.md."""
 
 from __future__ import annotations
 
@@ -31,9 +25,8 @@ def offline() -> bool:
 
 def fetch_head_files(download):
     """Wrap mlx-lm's ``_download(path_or_hf_repo, revision=None, allow_patterns=None) -> Path``: after a fetch from
-    the Hub, fetch the head's missing files (``head_files``) too; nothing more when huggingface_hub is offline.
-    Sidecar names that the repository does not have match nothing (one more listing of the repository); a failure to
-    fetch is logged at debug level only, and the loader then says what it found."""
+    the Hub (not offline), fetch the head's missing files too; a failure is logged at debug level only (the loader
+    then says what it found)."""
 
     @functools.wraps(download)
     def wrapper(path_or_hf_repo, revision=None, allow_patterns=None):
@@ -54,8 +47,7 @@ def fetch_head_files(download):
 
 @contextlib.contextmanager
 def _quiet_when_none_matches():
-    """Hide huggingface_hub's "No files matched allow_patterns" warning (its ``_snapshot_download`` logger) while
-    the head's possible files are fetched."""
+    """Hide huggingface_hub's "No files matched allow_patterns" warning (``_snapshot_download`` logger)."""
     logger = logging.getLogger("huggingface_hub._snapshot_download")
     level = logger.level
     logger.setLevel(logging.ERROR)

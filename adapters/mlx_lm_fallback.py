@@ -1,13 +1,6 @@
-"""mlx-lm adapter: stock decoding for the rows of a batch whose MTP cycle failed.
-
-A fault in the plugin's batched path (``mlx_lm_batching.MTPGenerationBatch.next``) must cost no request: the
-batch gives back its rows as they stood when the failing call began (``Resume``: each row's context, its newest
-token and how many tokens it has emitted) and mlx-lm's own ``PromptProcessingBatch`` / ``GenerationBatch`` take
-over. Each row's trunk cache is rebuilt from its tokens by a stock prompt pass of that row alone, so nothing a
-half-run cycle left in the caches (a verify pass's extra tokens, a partial rollback) reaches the output, and
-the result is what stock mlx-lm serves for a request whose prompt cache holds that context. The rows' stop
-matchers replay the tokens already emitted, so stop sequences spanning the switch still end the row.
-"""
+"""mlx-lm adapter: stock decoding (mlx-lm's ``PromptProcessingBatch`` / ``GenerationBatch``) for the rows of a batch
+whose MTP cycle failed, each row's trunk cache rebuilt from its tokens by a stock prompt pass of that row alone.
+Design: docs/mlx-lm-server.md#no-request-takes-the-server-down."""
 
 from __future__ import annotations
 
@@ -21,13 +14,9 @@ class Resume:
     """One row of a batch as stock decoding resumes it.
 
     Attributes:
-        uid: the request's id in the ``BatchGenerator``.
-        tokens: the row's token list, whose first ``length`` ids were in its trunk cache (prompt and emitted tokens
-            before ``last``); the list may have grown since (read only on a fault, so taking a row costs O(1)).
-        length: see ``tokens``.
-        last: the newest token, not yet fed (the prompt's last token before the first step).
+        tokens: the row's token list; its first ``length`` ids were in the trunk cache (the list may have grown since).
+        last: the newest token, not yet fed.
         emitted: tokens already sent for the request (the last ``emitted`` of the context and ``last``).
-        sampler, processors, stops, max_tokens: the row's own, as mlx-lm gave them.
     """
 
     uid: int
@@ -42,16 +31,8 @@ class Resume:
 
 
 def stock_batch(model, fallback_sampler, rows: list[Resume]):
-    """mlx-lm's ``GenerationBatch`` decoding ``rows`` from where they stood, its caches rebuilt from their tokens.
-
-    Args:
-        model: the runtime's model (not the MTP batching wrapper).
-        fallback_sampler: the generator's sampler for rows without their own.
-        rows: the rows, in batch order.
-
-    Returns:
-        The stock batch, its first step queued (mlx-lm's pipelining), counters and stop matchers carried over.
-    """
+    """mlx-lm's ``GenerationBatch`` decoding ``rows`` (batch order) from where they stood, its first step queued, caches
+    rebuilt from their tokens, counters and stop matchers carried over. ``model``: the runtime's, not the wrapper."""
     generate = importlib.import_module("mlx_lm.generate")
     from mlx_lm.models.cache import make_prompt_cache
 

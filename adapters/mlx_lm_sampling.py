@@ -1,8 +1,5 @@
-"""mlx-lm's samplers as ``decoding.Sampling``: the distribution each draws from.
-
-* ``make_sampler`` is wrapped to describe the samplers it makes (temperature and filters, mlx-lm's own ``apply_*``
-  functions in mlx-lm's order); a sampler it does not describe (XTC, a caller's own) decodes stock.
-"""
+"""mlx-lm's samplers as ``decoding.Sampling``: ``make_sampler`` wrapped to describe the samplers it makes (temperature,
+mlx-lm's own ``apply_*`` filters in its order); one it does not describe (XTC, a caller's own) decodes stock."""
 
 from __future__ import annotations
 

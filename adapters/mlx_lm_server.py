@@ -1,20 +1,6 @@
-"""mlx-lm adapter, server side: ``mlx_lm.server --plugin mtp [--mtp-depth N] [--no-mtp] [--[no-]mtp-lookup]``.
-
-* ``main`` takes the plugin's flags out of ``sys.argv`` before mlx-lm's own parser sees them.
-* Per request, ``"enable_mtp": bool``, ``"mtp_depth": int`` (0-8, 0 = automatic) and ``"mtp_lookup": bool`` (drafts
-  from the context too) are read and validated with the request's other parameters (a bad value is mlx-lm's usual
-  400 answer). A model without a head drafts from the context when the server runs with ``--mtp-lookup``; on a
-  server without it, a request's ``mtp_lookup: true`` has that only on mlx-lm's single-request path.
-* Requests are batched as mlx-lm batches them; for a model with a usable head the server's
-  ``BatchGenerator`` decodes with batched MTP cycles (``mlx_lm_batching``): each request's options give its
-  row's depth (``enable_mtp: false``: plain tokens in the same verify pass). Requests mlx-lm serves on its
-  single-request path (a seed, ``--kv-bits``, images) decode with single-stream MTP there.
-* The final response of a request to a model with a head (or one that drafted from its context) carries llama.cpp's
-  counters ``timings.draft_n`` (draft tokens, the head's and lookup drafts) and ``timings.draft_n_accepted``.
-
-The request's options travel on mlx-lm's ``GenerationArguments`` object (attribute ``mtp``) from the
-HTTP handler thread to the generation thread.
-"""
+"""mlx-lm adapter, server side: ``mlx_lm.server --plugin mtp [--mtp-depth N] [--no-mtp] [--[no-]mtp-lookup]``; the
+request options ``enable_mtp`` / ``mtp_depth`` / ``mtp_lookup``, carried on ``GenerationArguments.mtp`` from the HTTP
+handler thread to the generation thread; batched MTP rows; ``timings`` counters. Design: docs/mlx-lm-server.md."""
 
 from __future__ import annotations
 
@@ -52,14 +38,8 @@ class MTPRequestError(ValueError):
 
 @dataclass
 class MTPRequest:
-    """A request's MTP options and, once served, its counters.
-
-    Attributes:
-        enabled: ``enable_mtp`` of the request, None for the server default (``--no-mtp``; ``options.resolve``).
-        depth: ``mtp_depth`` of the request; None or 0 for the server's ``--mtp-depth`` (0 there: automatic).
-        lookup: ``mtp_lookup`` of the request, None for the server default (``--[no-]mtp-lookup``).
-        stats: the counters of its generation, None when it did not decode with MTP.
-    """
+    """A request's ``enable_mtp`` / ``mtp_depth`` / ``mtp_lookup`` (None, and depth 0: the server's default, resolved by
+    ``options.resolve``) and, once served, its counters (``stats``: None when it did not decode with MTP)."""
 
     enabled: bool | None = None
     depth: int | None = None
@@ -158,8 +138,7 @@ def answer_bad_options(do_post):
 
 
 def carry_request_options(generate):
-    """Wrap ``ResponseGenerator.generate``: attach the handler thread's MTP options to the request's arguments
-    (when there are any: whatever mlx-lm does with its arguments, e.g. raise "generation thread died", it does)."""
+    """Wrap ``ResponseGenerator.generate``: attach the handler thread's MTP options to ``generation_args``."""
 
     @functools.wraps(generate)
     def wrapper(self, *args, **kwargs):
@@ -269,12 +248,9 @@ def pass_options(stream_generate):
 
 
 def keep_a_token_to_run(fetch_nearest_cache):
-    """Wrap ``LRUPromptCache.fetch_nearest_cache``: the server's prompt cache (``serving_cache``) never answers a prompt
-    with an empty remainder. mlx-lm answers a prompt equal to a cached sequence with that cache and no tokens to run,
-    and its generation thread then dies ("Sequence N has an empty prompt"; stock mlx-lm too, e.g. a prompt that
-    repeats an earlier prompt and its completion). The nearest cache of the prompt without its last token is taken
-    instead, and that token is run. Any other ``LRUPromptCache`` (a user's own, mlx-lm's tests of the class) answers
-    as stock."""
+    """Wrap ``LRUPromptCache.fetch_nearest_cache``: the server's own prompt cache (``serving_cache``) never answers with
+    an empty remainder (mlx-lm's generation thread dies on "Sequence N has an empty prompt") but with the cache of the
+    prompt without its last token, which is then run. Any other ``LRUPromptCache`` answers as stock."""
 
     @functools.wraps(fetch_nearest_cache)
     def wrapper(self, model, tokens, *args, **kwargs):

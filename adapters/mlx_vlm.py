@@ -1,12 +1,6 @@
-"""mlx-vlm adapter: load-time strip-and-keep of head tensors, MTP decoding, and MTP lanes in its server.
-
-mlx-vlm 0.6.5–0.6.8 shifts RMSNorms a second time when it sees ``mtp.*`` keys, and loads every
-``*.safetensors`` in the directory (a sidecar ``mtp.safetensors`` included). Each handled model
-class's ``sanitize`` is wrapped so it never sees head tensors; ``load_model`` is wrapped to keep
-the head on ``model.mtp_head``. Decoding: capture points in the language models' GatedDeltaNet
-layers, and ``generate_step`` / ``generate`` wrapped (``mlx_vlm_decoding.py``); ``mlx_vlm.server``'s generation
-thread once it is imported (``mlx_vlm_server.py``).
-"""
+"""mlx-vlm adapter: each handled model class's ``sanitize`` never sees head tensors (mlx-vlm 0.6.5–0.6.8 shift RMSNorms
+a second time on ``mtp.*`` keys and load every ``*.safetensors``, a sidecar included), ``load_model`` keeps the head
+on ``model.mtp_head``; decoding in ``mlx_vlm_decoding``, the server's lanes in ``mlx_vlm_server``."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
-"""mlx-vlm adapter, decoding side: text, image and video prompts decode through the MTP loop.
-
-* ``generate_step`` (mlx-vlm's per-token step, behind ``generate``, ``stream_generate`` and the
-  ``mlx_vlm.generate`` CLI) is wrapped: a model with a loaded head decodes through ``mtp_generate_step``.
-  The prompt pass is mlx-vlm's own (``prompt_inputs``: its ``get_input_embeddings`` merges the media
-  features and derives the multimodal positions; the trunk runs its language model with them), and the head
-  sees the same positions (``trunk.PromptInputs``). Sampling (temperature, top-p, top-k, min-p, top-nσ,
-  p-less, typical-p, penalties) draws from the distribution of the sampler ``generate_step`` would build
-  (``mlx_vlm_sampling``): with its position-keyed sampler, its own draws; else position-keyed Gumbel-max draws
-  (``coupling``). Anything else stays stock: media on a model whose
-  trunk takes no multimodal positions, ``enable_mtp=False``, a drafter passed as ``draft_model`` (mlx-vlm's
-  own speculative loop, e.g. its native Qwen3.5 MTP drafter, runs as asked), a custom ``sampler``, thinking
-  budgets, prompt-cache checkpoints, a rotating or quantized KV cache (``max_kv_size``, ``kv_bits``,
-  ``kv_key_bits``, ``kv_value_bits``), batches, and on mlx-vlm 0.6 a prompt continuing a non-empty cache (a
-  custom sampler and the KV caches with one warning).
-* ``generate`` is wrapped to print the MTP line of the generation after mlx-vlm's figures (``verbose``).
-* ``python -m mlx_vlm generate`` gains ``--mtp-depth N`` and ``--no-mtp`` (``cli_argparse``), which set the
-  defaults of ``mtp_depth`` / ``enable_mtp`` as they do for mlx-lm (``options.resolve``).
-
-mlx-vlm's own Qwen3.5 MTP drafter runs only when asked for (``--draft-model DIR --draft-kind mtp``) and
-reads only ``mtp.*`` tensors of the directory's top-level ``*.safetensors`` (read in 0.7.10's splitter);
-without it, every head form our loader keeps on ``model.mtp_head`` decodes with our loop.
-"""
+"""mlx-vlm adapter, decoding side: ``generate_step`` wrapped so text, image and video prompts decode through the MTP
+loop (mlx-vlm's own prompt pass and positions; its samplers' distributions), ``generate`` to print the MTP line, and
+``python -m mlx_vlm generate`` given the MTP flags. What decodes stock: ``_stock_reason``. Design: docs/mlx-vlm.md."""
 
 from __future__ import annotations
 
@@ -45,12 +25,11 @@ from .mlx_vlm_sampling import sampling
 from .patching import release
 
 log = logging.getLogger("mtp_plugin")
-# Plain prefill of a prompt of T tokens (measured on 0.6.8 and 0.7.10): mlx-vlm 0.7 runs all but the last
-# token in chunks whenever T > 1; 0.6 only when T > prefill_step_size, else the whole prompt in one pass.
-# Logits processors see the tokens of the last pass and every generated token.
+# Plain prefill of a prompt of T tokens: mlx-vlm 0.7 runs all but the last token in chunks whenever T > 1; 0.6 only
+# when T > prefill_step_size. Logits processors see the tokens of the last pass and every generated token.
 CHUNKS_EVERY_PROMPT = release("mlx-vlm") >= (0, 7, 0)
-# Prompt tokens continuing a non-empty prompt cache: mlx-vlm 0.7 gives them the continuing mRoPE positions;
-# 0.6 restarts them at 0 (the suffix's own positions override the caller's), which MTP does not reproduce.
+# Prompt tokens continuing a non-empty prompt cache: mlx-vlm 0.7 continues their mRoPE positions; 0.6 restarts them
+# at 0, which MTP does not reproduce.
 CONTINUES_CACHED_POSITIONS = release("mlx-vlm") >= (0, 7, 0)
 # Prompt-pass keywords: mlx-vlm 0.7 lets the caller's position metadata (a reused cache's, for the whole prompt)
 # override what ``get_input_embeddings`` derives from the uncached suffix; 0.6 lets the derived ones win.
@@ -67,8 +46,7 @@ _warned: set[str] = set()
 
 
 def _model_inputs(extra: dict) -> set[str]:
-    """Keywords carrying arrays for the model (``pixel_values_videos``, ``image_grid_thw``, ``input_features``,
-    ``inputs_embeds``, cached image features …); scalar processing options (the CLI's ``fps``) carry none."""
+    """Keywords carrying arrays for the model (``pixel_values_videos``, ``image_grid_thw``, ``inputs_embeds`` …)."""
     return {k for k, v in extra.items()
             if isinstance(v, mx.array) or (isinstance(v, list | tuple) and any(isinstance(x, mx.array) for x in v))}
 
@@ -97,11 +75,9 @@ def _stock_reason(model, args: dict, extra: dict) -> str | None:
 
 
 def prompt_inputs(model, args: dict, extra: dict) -> PromptInputs:
-    """The prompt pass as mlx-vlm's ``generate_step`` runs it: ``model.
-    get_input_embeddings`` (media features merged, multimodal positions), its output's fields joining the caller's
-    keywords (on mlx-vlm ≥ 0.7 the caller's own ``position_ids`` / ``rope_deltas`` win, ``CALLER_POSITIONS_WIN``).
-    When ``extra`` already holds that call's output (``inputs_embeds`` and its fields, as mlx-vlm's server passes
-    them), it is used as it is."""
+    """The prompt pass as mlx-vlm's ``generate_step`` runs it: ``model.get_input_embeddings`` (media merged,
+    multimodal positions), its fields joining the caller's keywords (``CALLER_POSITIONS_WIN``), or ``extra`` as it is
+    when it holds that output already (``inputs_embeds``, from mlx-vlm's server)."""
     run = functools.partial(_language_model_pass, model.language_model)
     if "inputs_embeds" in extra:  # the caller ran ``get_input_embeddings`` itself (mlx-vlm's server)
         keywords = dict(extra)
@@ -138,18 +114,14 @@ def _processors(ar, args: dict) -> list:
 
 def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, positioned: bool | None = None,
                      lookup=None) -> dict | None:
-    """Options for ``mtp_generate_step`` from bound ``generate_step`` arguments, or None for stock decoding.
+    """Options for ``mtp_generate_step`` from ``step_arguments``' ``args`` / ``extra``, or None for stock decoding.
 
     Args:
         ar: the module defining mlx-vlm's ``generate_step`` (its sampling and processor helpers).
-        model: the mlx-vlm model.
-        loaded: its ``LoadedHead``; ``loaded.stats`` is set to fresh counters when MTP decodes.
+        loaded: the model's ``LoadedHead``; ``loaded.stats`` is set to fresh counters when MTP decodes.
         depth: draft depth 1-8 or a depth policy; 0 or None: adaptive (``options.depth_policy``).
-        args: ``generate_step``'s named arguments, defaults applied.
-        extra: its other keywords (those it passes on to the model), None values dropped.
-        positioned: whether the sampler is mlx-vlm's position-keyed one (``mlx_vlm_sampling.sampling``); None: as
-            ``generate_step`` chooses it.
-        lookup: the generation's ``mtp_lookup`` option (``lookup.lookup_policy``: None is on).
+        positioned: whether the sampler is mlx-vlm's position-keyed one; None: as ``generate_step`` chooses.
+        lookup: the ``mtp_lookup`` option (``lookup.lookup_policy``: None is on).
 
     Raises:
         ValueError: a bad depth or ``lookup``.
@@ -193,9 +165,8 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, position
 
 
 def prefill_bar():
-    """``callback(processed, total)`` showing mlx-vlm's own chunked-prefill progress bar as stock prints it
-    (tqdm on stderr, ``Prefill``, tokens; one update per chunk, so it ends at total - 1: the last prompt token
-    runs with the first decoding step). Created at the first call, closed when the prefill is done."""
+    """``callback(processed, total)`` showing mlx-vlm's chunked-prefill bar (tqdm, ``Prefill``) as stock does: it ends
+    at total - 1, the last prompt token running with the first decoding step."""
     from tqdm import tqdm
 
     bar = None
@@ -213,12 +184,8 @@ def prefill_bar():
 
 
 def step_arguments(generate_step, *args, **kwargs) -> tuple[dict, dict]:
-    """``generate_step``'s arguments as ``decoding_options`` takes them: its named arguments with their defaults,
-    and its other keywords (those it passes on to the model) without None values.
-
-    Raises:
-        TypeError: arguments ``generate_step`` does not take.
-    """
+    """``(args, extra)``: ``generate_step``'s named arguments with defaults, and its other keywords (passed on to the
+    model) without None values. Raises TypeError for arguments ``generate_step`` does not take."""
     signature = inspect.signature(generate_step)
     var_keyword = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
     bound = signature.bind(*args, **kwargs)
@@ -228,13 +195,9 @@ def step_arguments(generate_step, *args, **kwargs) -> tuple[dict, dict]:
 
 
 def mtp_generate_step(generate_step, ar, captured: dict[str, bool]):
-    """Wrap mlx-vlm's ``generate_step(input_ids, model, pixel_values, mask, **kwargs)``: MTP for a text
-    prompt to a model with a loaded head whose trunk can be rolled back (``capture.rollback_ready``).
-
-    Added keywords: ``enable_mtp`` (False: stock decoding), ``mtp_depth`` (draft depth 1-8; None: adaptive) and
-    ``mtp_lookup`` (drafts from the context too: ``lookup.lookup_policy``); when not given, the command line's
-    ``--no-mtp`` / ``--mtp-depth`` / ``--[no-]mtp-lookup`` decide (``options.resolve``).
-    """
+    """Wrap mlx-vlm's ``generate_step(input_ids, model, pixel_values, mask, **kwargs)``: MTP for a model with a loaded
+    head whose trunk can be rolled back. Added keywords ``enable_mtp``, ``mtp_depth`` (1-8; None: adaptive) and
+    ``mtp_lookup``; when not given, the command line's flags decide (``options.resolve``)."""
     @functools.wraps(generate_step)
     def wrapper(input_ids, model, pixel_values, mask, *, mtp_depth=None, enable_mtp=None, mtp_lookup=None, **kwargs):
         asked = resolve(enable_mtp, mtp_depth, mtp_lookup)
@@ -261,8 +224,7 @@ def mtp_generate_step(generate_step, ar, captured: dict[str, bool]):
 
 
 class _ParserWithMTPFlags(argparse.ArgumentParser):
-    """An ``argparse.ArgumentParser`` that carries the MTP flags (``--mtp-depth``, ``--no-mtp``, ``--[no-]mtp-lookup``)
-    from its construction."""
+    """An ``argparse.ArgumentParser`` that carries the MTP flags from its construction."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -270,9 +232,8 @@ class _ParserWithMTPFlags(argparse.ArgumentParser):
 
 
 def cli_argparse(module):
-    """The ``argparse`` module as mlx-vlm's generate CLI (``generate/dispatch.py``) sees it: the same module, but
-    its ``ArgumentParser`` carries the MTP flags. mlx-vlm builds and parses its parser inside one function
-    (``parse_arguments``), so the flags join it as it is built; nothing of mlx-vlm's parser is copied."""
+    """The ``argparse`` module as mlx-vlm's generate CLI (``generate/dispatch.py``, which builds and parses its parser
+    in ``parse_arguments``) sees it: its ``ArgumentParser`` carries the MTP flags."""
     return types.SimpleNamespace(**{**vars(module), "ArgumentParser": _ParserWithMTPFlags})
 
 

@@ -1,9 +1,6 @@
-"""mlx-vlm decoders for ``mtp-plugin bench`` on the same checkpoint: mlx-vlm's own MTP drafter (``load_drafter`` with
-``kind="mtp"``, the decoder behind ``--draft-kind mtp``; 0.6.8 and 0.7), and, on a checkpoint with a vision
-tower, image prompts decoded by this plugin's loop in mlx-vlm and by that native drafter.
-
-Only read by the benchmark: nothing here patches mlx-vlm.
-"""
+"""mlx-vlm decoders for ``mtp-plugin bench``: mlx-vlm's own MTP drafter (``load_drafter(kind="mtp")``, behind
+``--draft-kind mtp``; 0.6.8 and 0.7) and, on a checkpoint with a vision tower, image prompts decoded by this plugin's
+loop and by that drafter. Read only by the benchmark: nothing here patches mlx-vlm."""
 
 from __future__ import annotations
 
@@ -21,13 +18,9 @@ IMAGE_GRID = (1, 16, 16)  # temporal, height, width patches of the synthetic ima
 
 @dataclass
 class ImagePrompt:
-    """A synthetic image put before every prompt: its tokens, patches and keywords for ``generate_step``.
-
-    Attributes:
-        prefix: token ids (vision start, the image's tokens, vision end where the checkpoint has one).
-        pixel_values: (patches, channels * temporal * patch²) float32, seeded normal noise.
-        keywords: ``image_grid_thw`` (1, 3).
-    """
+    """A synthetic image put before every prompt: ``prefix`` token ids (vision start, image tokens, vision end where
+    the checkpoint has one), ``pixel_values`` (patches, channels * temporal * patch²) float32 seeded normal noise, and
+    ``keywords`` for ``generate_step`` (``image_grid_thw`` (1, 3))."""
 
     prefix: list[int]
     pixel_values: mx.array

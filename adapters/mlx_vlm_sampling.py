@@ -1,17 +1,5 @@
-"""mlx-vlm's sampling as a ``decoding.Sampling``: the exact distribution its ``generate_step`` draws from.
-
-``generate_step`` (``mlx_vlm/generate/ar.py``, 0.6 and 0.7) builds one of two samplers from its arguments:
-
-* with a ``seed``, a positive temperature and no filter but top-p (0.7: and top-k), a position-keyed sampler:
-  top-k on the log-probs, then ``top_p_sampling``, which divides by the temperature *before* the nucleus
-  (``log_softmax(x / T)``, then ``apply_top_p``, then a draw at temperature 1), each token's draw keyed by the
-  seed and its position. The loop draws with that same sampler (``Sampling.keyed``): a seeded request gets
-  mlx-vlm's own tokens at every depth;
-* otherwise ``make_sampler``: its filters in its order (top-nσ, p-less, typical-p, top-p, min-p, XTC, top-k) on
-  the log-probs, then a draw at the temperature (``generate_step`` gives it no XTC).
-
-The filters are mlx-vlm's own functions. A caller's own ``sampler`` has no known distribution (stock decoding).
-"""
+"""mlx-vlm's sampling as a ``decoding.Sampling``: the exact distribution its ``generate_step`` (0.6, 0.7) draws from
+(``sampling``); a caller's own ``sampler`` has none known (stock decoding). Design: docs/mlx-vlm.md#how-it-works."""
 
 from __future__ import annotations
 
@@ -46,8 +34,7 @@ def _positioned(ar, args: dict, temp: float) -> bool:
 
 
 def _positioned_top_k(ar) -> bool:
-    """Whether the position-keyed sampler applies top-k itself (mlx-vlm 0.7), rather than never being chosen
-    with one (0.6)."""
+    """Whether the position-keyed sampler applies top-k itself (0.7); on 0.6 it is never chosen with top-k."""
     return "top_k" in inspect.signature(ar._PositionedTargetSampler).parameters
 
 
@@ -55,12 +42,14 @@ def sampling(ar, args: dict, temperature: float, top_p: float | None, top_k: int
              positioned: bool | None = None) -> Sampling:
     """The distribution ``generate_step`` samples from for ``args``, with mlx-vlm's own filters.
 
+    With a seed, temperature > 0 and no filter but top-p (0.7: and top-k), the position-keyed sampler: top-k, then
+    ``top_p_sampling``, which divides by the temperature before the nucleus (``log_softmax(x / T)``, ``apply_top_p``,
+    a draw at temperature 1), its seeded draws kept as ``Sampling.keyed``. Otherwise ``make_sampler``'s filters in its
+    order (top-nσ, p-less, typical-p, top-p, min-p, top-k; ``generate_step`` gives it no XTC), then the temperature.
+
     Args:
-        ar: the module defining mlx-vlm's ``generate_step`` (its sampler classes and defaults).
-        args: ``generate_step``'s named arguments, defaults applied (``min_p``, ``top_n_sigma``, ``p_less``,
-            ``typical_p``, ``seed``).
-        temperature, top_p, top_k: as ``generate_step`` resolves them (mlx-vlm 0.7 fills unset ones from the
-            checkpoint's generation defaults); temperature > 0.
+        temperature, top_p, top_k: as ``generate_step`` resolves them (0.7 fills unset ones from the checkpoint's
+            generation defaults); temperature > 0.
         positioned: whether the sampler is the position-keyed one (mlx-vlm's server picks it with or without a
             seed); None: ``generate_step``'s own choice. Its draws are keyed only with a seed.
     """

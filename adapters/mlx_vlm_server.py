@@ -1,25 +1,6 @@
-"""mlx-vlm adapter, server: requests decode with MTP beside mlx-vlm's continuous batching.
-
-mlx-vlm's server (``mlx_vlm.server``) runs every request through one ``BatchGenerator`` on its generation thread.
-For a model with a loaded head, that generator is wrapped (``Lanes``): a request that asks for MTP takes a lane,
-the single-stream MTP loop of ``mlx_vlm_decoding`` run on the embeddings, positions and logits processors the
-server computed for it (images and video included); every other request joins mlx-vlm's own batch. Lanes are
-not batched with each other or with the batch, and where MTP does not pay a lane is slower than mlx-vlm's batch
-even for a lone request (``benchmarks/server_load.py --runtime mlx_vlm``), so MTP is asked for: a
-request's ``enable_mtp: true`` or ``mtp_depth: N``, or the server's ``--mtp-depth N`` for requests that say
-nothing (``--no-mtp``: none; ``enable_mtp: false`` refuses a lane), validated as for mlx-lm
-(``mlx_lm_server.parse_request``); a lane also drafts from its context unless the request says ``mtp_lookup: false``
-(or the server runs with ``--no-mtp-lookup``).
-
-A lane samples as the server's own sampler for that request (``ResponseGenerator._make_sampler``: the
-position-keyed sampler, keyed only with a ``seed``, or ``make_sampler`` with top-nσ, p-less or typical-p), by
-exact rejection sampling; its logits processors see the whole prompt, as the batch's do. What a lane does not
-reproduce stays in the batch: log-probs, thinking budgets, a ``response_format`` (a grammar matcher, which must
-not see drafts that are then rejected), mlx-vlm's prefix cache (``apc_manager``), quantized KV caches, a trunk
-without multimodal positions. A lane whose loop raises fails its own request only; a fault while building a
-lane leaves its request to mlx-vlm's batch (one warning each). On mlx-vlm
-≥ 0.7 a lane's final response carries ``timings.draft_n`` / ``draft_n_accepted`` (its response schema's fields).
-"""
+"""mlx-vlm adapter, server: for a model with a loaded head the server's ``BatchGenerator`` is wrapped in ``Lanes``: a
+request that asks for MTP decodes in a lane (the single-stream loop of ``mlx_vlm_decoding`` on the embeddings,
+positions and processors the server computed for it), every other one in mlx-vlm's batch. Design: docs/mlx-vlm.md."""
 
 from __future__ import annotations
 
@@ -60,7 +41,7 @@ SERVER_HELP = {  # a request decodes with MTP when it asks, or with --mtp-depth 
 
 
 def read_request_options(build_gen_args):
-    """Wrap ``request_normalization._build_gen_args``: the request's ``enable_mtp`` / ``mtp_depth`` ride on the
+    """Wrap ``request_normalization._build_gen_args``: the request's MTP options ride on the
     returned ``GenerationArguments`` as ``mtp`` (an ``MTPRequest``); a bad value is answered with HTTP 400 and the
     ``MTPRequestError`` message (every endpoint passes a FastAPI ``HTTPException`` through)."""
 
@@ -103,9 +84,8 @@ def note_request(log_prefill_started):
 
 
 def with_lanes(batch_generator, captured: dict[str, bool]):
-    """Replace the server's ``BatchGenerator``: mlx-vlm's own, wrapped in ``Lanes`` when the served model has a
-    head whose trunk can be rolled back (``captured``: ``capture.install``'s answer) and no drafter of mlx-vlm's
-    own was asked for."""
+    """Replace the server's ``BatchGenerator``: mlx-vlm's own, in ``Lanes`` when the model has a head whose trunk can
+    be rolled back (``captured``: ``capture.install``'s answer) and no drafter of mlx-vlm's own was asked for."""
 
     @functools.wraps(batch_generator)
     def make(model, *args, **kwargs):
@@ -157,13 +137,9 @@ def lane_counters(stats_since):
 
 
 class OwnPositions:
-    """A lane's language-model pass (``trunk.PromptInputs.run``) with the lane's own multimodal position state.
-
-    mlx-vlm's Qwen language models keep the last prompt's rope deltas and positions on the model object, and
-    derive each later pass's positions from them; the batch and other lanes run between a lane's passes. Each
-    pass therefore sees the state this lane's earlier passes left (none before its prompt, as in a fresh
-    process) and leaves the model's state as it found it.
-    """
+    """A lane's language-model pass (``trunk.PromptInputs.run``) with the lane's own multimodal position state
+    (``STATE``, kept on the model by mlx-vlm's Qwen language models): each pass sees what this lane's earlier passes
+    left (none before its prompt) and leaves the model's state as it found it."""
 
     STATE = ("_rope_deltas", "_position_ids")
 
@@ -195,17 +171,8 @@ class PromptDone:
 
 
 class Lane:
-    """One request decoding with MTP: its generator, the tokens it emitted and its stop rules.
-
-    Args:
-        uid: the request's id among the server generator's.
-        tokens: the MTP loop's generator of ``(token, logprobs)``; it runs the prompt pass on the first draw.
-        stats: its ``MTPStats``.
-        max_tokens: the request's limit.
-        stop: mlx-vlm's stop test of a token id (the batch's ``stopping_criteria``).
-        prompt_tokens: prompt length, for the prompt response.
-        answers: the request's response queue (an error raised by the loop is put there: ``fail``).
-    """
+    """One request decoding with MTP. ``tokens``: the loop's ``(token, logprobs)`` generator (its first draw runs the
+    prompt pass); ``stop``: mlx-vlm's stop test of a token id; ``answers``: the request's response queue."""
 
     def __init__(self, uid: int, tokens, stats, max_tokens: int, stop, prompt_tokens: int, answers):
         self.uid, self.tokens, self.stats, self.max_tokens, self.stop = uid, tokens, stats, max_tokens, stop
@@ -242,15 +209,9 @@ class Lane:
 
 
 class Lanes:
-    """mlx-vlm's server ``BatchGenerator`` with MTP lanes beside it: ``insert`` gives a request a lane when it
-    decodes with MTP (module docstring), ``next`` steps the batch and then every lane by one token; everything
-    else is the wrapped generator's.
-
-    Args:
-        stock: mlx-vlm's ``BatchGenerator``.
-        model: the mlx-vlm model (with its loaded head).
-        settings: the keywords the server built the generator with (KV quantization, prefill step, prefix cache).
-    """
+    """mlx-vlm's server ``BatchGenerator`` (``stock``) with MTP lanes beside it: ``insert`` gives a request asking for
+    MTP a lane, ``next`` steps the batch and then every lane by one token; the rest is the wrapped generator's.
+    ``settings``: the keywords the server built the generator with (KV quantization, prefill step, prefix cache)."""
 
     def __init__(self, stock, model, settings: dict):
         self.stock, self.model, self.settings = stock, model, settings
@@ -344,9 +305,8 @@ class Lanes:
                     request.rqueue)
 
     def _arguments(self, args, limit: int, processors: list, keywords: dict) -> tuple[dict, dict, bool]:
-        """``generate_step`` arguments reproducing the server's decoding of a request (those this release takes are
-        bound): its sampler (``_make_sampler``; whether it is the position-keyed one) and its logits processors as
-        the server built them (penalties included, so none is passed twice)."""
+        """``(named, extra, positioned)``: ``generate_step`` arguments reproducing the server's sampler
+        (``_make_sampler``; ``positioned``: the position-keyed one) and its logits processors (penalties included)."""
         filters = {name: getattr(args, name, default) for name, default in FILTER_OPTIONS.items()}
         positioned = all(value == FILTER_OPTIONS[name] for name, value in filters.items())
         named = {"max_tokens": limit, "temperature": args.temperature, "top_p": args.top_p,

@@ -59,10 +59,8 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 def version_in_range(distribution: str, lowest: str, below: str) -> str | None:
-    """The installed version of ``distribution`` if ``lowest <= version < below``; else None.
-
-    A version outside the tested range is logged as a warning once per process.
-    """
+    """The installed version of ``distribution`` if ``lowest <= version < below``; else None (one warning per process
+    for an installed version outside that range)."""
     try:
         version = metadata.version(distribution)
     except metadata.PackageNotFoundError:
@@ -78,12 +76,9 @@ def version_in_range(distribution: str, lowest: str, below: str) -> str | None:
 
 @contextlib.contextmanager
 def claiming(model_path):
-    """While a runtime loads ``model_path``: the stored names of every head tensor our loader finds there (any
-    file, bare names in a head file included) are stripped by the wrapped ``sanitize`` (``strip_head_tensors``).
-    Yields the head's location (``loader.locate_head``), or None, so that the directory is searched once a load.
-
-    A directory whose head cannot be located (unreadable header …) claims nothing here; the loader reports it.
-    """
+    """While a runtime loads ``model_path``, the wrapped ``sanitize`` (``strip_head_tensors``) strips every head tensor
+    our loader finds there. Yields the head's location (``loading.loader.locate_head``), or None; a directory whose head
+    cannot be located claims nothing (the loader reports it)."""
     from mtp_plugin.loading.loader import locate_head
 
     location = locate_head(Path(model_path))
@@ -97,7 +92,7 @@ def claiming(model_path):
 def keep_head(load_model):
     """Wrap a runtime's ``load_model(model_path, ...)`` (mlx-lm's returns ``(model, config)``, mlx-vlm's the model):
     the head is located and its tensors claimed while the runtime loads the trunk (``claiming``), then loaded onto
-    the model (``loader.attach_head``)."""
+    the model (``loading.loader.attach_head``)."""
     from mtp_plugin.loading.checkpoint import read_config
     from mtp_plugin.loading.loader import attach_head
 

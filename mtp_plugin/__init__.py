@@ -1,8 +1,7 @@
 """mtp_plugin: multi-token-prediction (MTP) speculative decoding for MLX runtimes (mlx-lm, mlx-vlm).
 
-``patch()`` makes mlx-lm and mlx-vlm load checkpoints that carry an MTP head correctly, keep the
-head and decode with it; ``unpatch()`` restores stock behaviour. Both are idempotent and thread-safe.
-This module imports nothing heavy: it is imported at interpreter start-up by the post-import hook.
+``patch()`` / ``unpatch()`` are idempotent and thread-safe. Imports nothing heavy (the post-import hook imports it
+at interpreter start-up).
 """
 
 import _thread
@@ -12,12 +11,8 @@ _lock = _thread.RLock() if hasattr(_thread, "RLock") else _thread.allocate_lock(
 
 
 def patch(runtime: str | None = None) -> None:
-    """Install the runtime patches of every plugin.
-
-    Args:
-        runtime: ``"mlx_lm"``, ``"mlx_lm.server"``, ``"mlx_vlm"`` or ``"mlx_vlm.server"`` to patch just that
-            runtime (the post-import hook does this as each is imported); None patches every installed runtime.
-    """
+    """Install every plugin's runtime patches (head-carrying checkpoints load, keep the head and decode with it) for
+    ``runtime`` (``"mlx_lm"``, ``"mlx_lm.server"``, ``"mlx_vlm"`` or ``"mlx_vlm.server"``; None: all installed)."""
     from .plugins import hook
 
     with _lock:

@@ -1,13 +1,5 @@
-"""What the commands may do to the user's files: write new files atomically with the modes of their neighbours,
-refuse targets that would lose or touch user data, and clean up temporary files when terminated.
-
-* ``atomic_write``: a temporary file beside the target, then ``os.replace``: readers never see a partial
-  file, a failure leaves none, and replacing a hard link never writes into its other names. The new file
-  gets the mode of the file it replaces, else the mode of a file the user creates (0666 less the umask),
-  never ``mkstemp``'s 0600.
-* ``check_new_output`` / ``check_replaceable``: refusals (``UsageError``) before any work is done.
-* ``terminating_cleanly``: SIGTERM and SIGHUP raise ``Terminated`` in the main thread, so every
-  ``try``/``except BaseException`` cleanup runs (SIGKILL cannot be caught).
+"""The commands' file handling: atomic writes with user modes, refusals (``UsageError``) of outputs that would touch
+user data, and cleanup on SIGTERM/SIGHUP. Promises: docs/commands.md#what-the-commands-do-to-your-files.
 """
 
 from __future__ import annotations
@@ -42,8 +34,8 @@ def user_mode(directory: bool = False) -> int:
 
 
 def atomic_write(path: Path, write: Callable[[Path], None], suffix: str = ".tmp") -> None:
-    """Create or replace ``path`` atomically: ``write(tmp)`` fills a temporary file in the same directory,
-    which then gets its mode (that of the file it replaces, else ``user_mode()``) and is renamed onto ``path``.
+    """Create or replace ``path`` atomically: ``write(tmp)`` fills a temporary ``.NAME.*`` beside it, which gets the
+    replaced file's mode (else ``user_mode()``) and is renamed onto ``path`` (a hard link's other names are untouched).
 
     Raises:
         OSError: the directory is missing or not writable; whatever ``write`` raises (no file is left).
@@ -92,16 +84,14 @@ def check_new_output(out: Path, inputs: Iterable[Path], force: bool = False, kin
 
 
 def _check_writable(path: Path) -> None:
-    """Refuse a file or directory without write permission (its mode, not only ``os.access``: root may
-    write anything, but a read-only mode says the user wants it kept)."""
+    """Refuse ``path`` unless writable both by ``os.access`` and by its mode (so root too keeps a read-only file)."""
     if not os.access(path, os.W_OK) or not path.stat().st_mode & stat.S_IWUSR:
         what = "directory" if path.is_dir() else "file"
         raise UsageError(f"{path}: read-only {what}; make it writable (chmod u+w) or work on a copy")
 
 
 def check_replaceable(path: Path) -> None:
-    """Refuse to replace ``path`` (an existing file, e.g. a model's config.json) when it or its directory is
-    read-only.
+    """Refuse to replace existing file ``path`` (e.g. config.json) when it or its directory is read-only.
 
     Raises:
         UsageError: the file or directory that is read-only, and the fix.
@@ -113,7 +103,8 @@ def check_replaceable(path: Path) -> None:
 
 @contextlib.contextmanager
 def terminating_cleanly():
-    """While active (main thread only; elsewhere a no-op), SIGTERM and SIGHUP raise ``Terminated``."""
+    """While active (main thread only; elsewhere a no-op), SIGTERM and SIGHUP raise ``Terminated``, so that every
+    ``except BaseException`` cleanup runs."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -1,10 +1,6 @@
-"""The contract between mtp_plugin and its plugins: one documented hook spec per extension point.
-
-Built-in support (in ``families/``: Qwen3.5/3.6/3.8 and Qwen3-Next, DeepSeek-V3-style next-n heads; the
-mlx-lm and mlx-vlm adapters) implements these hooks exactly as a third-party plugin registered under the
-``mtp_plugin`` entry-point group would; docs/plugins.md lists what a family provides.
-``firstresult`` hooks answer "who handles this"; the others collect from every plugin.
-"""
+"""The pluggy hook specs between mtp_plugin and its plugins (built-in families and adapters included).
+``firstresult`` hooks answer "who handles this" (None: not mine); the others collect from every plugin.
+Guide: docs/plugins.md."""
 
 from __future__ import annotations
 
@@ -27,15 +23,8 @@ def mtp_model_types() -> list[str]:
 
 @hookspec(firstresult=True)
 def mtp_head_name(name: str, model_type: str, sidecar: bool, config: dict | None) -> str | None:
-    """Head-relative canonical name (``fc.weight``) of checkpoint tensor ``name``, or None if not a head tensor.
-
-    Canonical names are those of the built head module (``mtp_build_head``). ``sidecar`` is True for a file
-    holding only the head, where bare names (no prefix) are allowed. ``config`` is the checkpoint's config.json
-    (None when the caller has none: a runtime's ``sanitize`` seen outside a load): a head stored as an extra
-    decoder layer (``model.layers.{num_hidden_layers}.…``, DeepSeek-V3's next-n layer) is recognisable only
-    with it. A copy of a trunk tensor that the head layout duplicates (DeepSeek-V3's ``embed_tokens``,
-    ``shared_head.head``) is a head tensor too, so that the runtime never sees it; ``mtp_sanitize_head`` drops it.
-    """
+    """Canonical name (a parameter of ``mtp_build_head``'s module, e.g. ``fc.weight``) of tensor ``name``, or None.
+    ``sidecar``: a head-only file (bare names allowed); ``config``: config.json, None outside a load."""
 
 
 @hookspec
@@ -45,53 +34,37 @@ def mtp_sidecar_paths(model_dir, config: dict) -> list:
 
 @hookspec(firstresult=True)
 def mtp_sanitize_head(weights: dict, config: dict) -> dict | None:
-    """Canonical head ``weights`` rearranged to the layout of the built head (e.g. experts stacked, MLA's
-    ``kv_b_proj`` split as the runtime's own ``sanitize`` splits it, duplicated trunk tensors dropped), or None.
-    Must accept weights already in the built layout (a head the plugin wrote) and leave them unchanged."""
+    """Canonical ``weights`` in the built head's layout (experts stacked, duplicated trunk tensors dropped), or None.
+    Weights already in that layout must come back unchanged."""
 
 
 @hookspec(firstresult=True)
 def mtp_norm_roles(config: dict) -> dict | None:
-    """For each head RMSNorm (canonical name), the trunk norms with the same role, named without the stack prefix
-    (``norm.weight``: the final norm; ``input_layernorm.weight``: every layer's; see ``conventions.plays_role``)."""
+    """``{head RMSNorm canonical name: trunk norm with the same role}``, trunk names without the stack prefix
+    (``norm.weight``: the final norm; see ``head.conventions.plays_role``), or None."""
 
 
 @hookspec(firstresult=True)
 def mtp_stored_norm_convention(config: dict, shapes: dict, pytorch: bool) -> tuple[str, str] | None:
-    """How the trunk tensors of one weights file (``shapes``: ``{name: shape}`` from its header; empty for a
-    head-only file) store RMSNorm weights, ``pytorch`` True when the file says it was written by PyTorch
-    (safetensors metadata ``format: pt``, the original checkpoint), as
-    ``(convention, why)``: ``conventions.ZERO_CENTRED`` when the runtime adds 1 at load (Qwen3.5's original
-    Hugging Face layout), ``conventions.ABSOLUTE`` when it uses them as stored (an MLX conversion; DeepSeek-V3 and
-    GLM-4 in every layout). A head stored in that file shares its trunk's convention. None: no evidence (the
-    first prompt then settles the head's norms by its own predictions, per tensor). Negative entries, a stronger
-    evidence, are checked by the core first."""
+    """``(head.conventions.ZERO_CENTRED (the runtime adds 1) or ABSOLUTE, why)`` for one weights file's RMSNorms
+    (``shapes``: ``{name: shape}``, empty if head-only; ``pytorch``: metadata ``format: pt``), or None: no evidence."""
 
 
 @hookspec(firstresult=True)
 def mtp_build_head(model, config: dict):
-    """A float, unloaded ``mlx.nn.Module`` head built from trunk ``model``'s own layer classes, or None.
-
-    Its parameter names are the canonical names (``mtp_head_name``), and its parameters are exactly what a valid
-    head holds (``validation.py``: every one present with its shape, nothing else; linear modules may be stored
-    quantized). ``head.MTPHead`` serves the wiring
-    ``norm(layer(fc(concat[norm(embed(x[t+1])), norm(h[t])])))`` of Qwen3.5 and DeepSeek-V3 alike; pass
-    ``array_mask=True`` when the layer's attention cannot take the string mask ``"causal"`` (DeepSeek's MLA).
-    The head's KV cache is a runtime ``KVCache`` (``mtp_new_caches``), batched by the server adapter."""
+    """A float, unloaded ``mlx.nn.Module`` head from trunk ``model``'s own layer classes, or None; its parameters
+    are exactly a valid head's (``loading/validation.py``), e.g. ``head.model.MTPHead``."""
 
 
 @hookspec(firstresult=True)
 def mtp_trunk(model, contract):
-    """The decoding loop's view of trunk ``model`` (``hidden``/``embed``/``logits``, see ``decoding.Trunk``)."""
+    """The decoding loop's view of trunk ``model`` (a ``decoding.single.Trunk``), or None."""
 
 
 @hookspec
 def mtp_capture_points(runtime: str) -> list:
-    """Trunk layers whose caches cannot be trimmed, so that rollback needs capture points inside them (see
-    ``rollback.py``): items ``(model_type, module, layer_class)``, the layer class ``layer_class`` of module
-    ``{runtime}.models.{module}`` for checkpoints of ``model_type``. ``runtime`` is ``"mlx_lm"`` or ``"mlx_vlm"``.
-    A model type listed here decodes with MTP only when its layers got their capture points; a model type whose
-    trunk caches are all trimmable (attention-only: KV caches) lists nothing and is rolled back by trimming."""
+    """``(model_type, module, layer_class)`` items: layers of ``{runtime}.models.{module}`` whose caches cannot be
+    trimmed and need rollback capture points (``decoding/rollback.py``); ``runtime``: "mlx_lm" or "mlx_vlm"."""
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -126,23 +99,20 @@ def mtp_unpatch_runtime() -> None:
 
 @hookspec(firstresult=True)
 def mtp_build_model(config: dict):
-    """An unloaded model of the runtime's own class for ``config`` (a config.json), as the runtime builds it before
-    reading weights, or None when no installed runtime has its model type. mlx builds arrays lazily: nothing is
-    allocated. ``validation.expected_head`` passes it to ``mtp_build_head`` to know every parameter of the head
-    (names, shapes, input widths) without loading the trunk."""
+    """An unloaded model (nothing allocated) of the runtime's own class for ``config`` (a config.json), or None
+    when no installed runtime has its model type."""
 
 
 @hookspec(firstresult=True)
 def mtp_layer_sanitize(model_type: str, config: dict, weights: dict) -> dict | None:
-    """One decoder layer's ``weights`` (names under ``model.layers.0.``) in the runtime's layout, by the runtime's own
-    ``sanitize`` of ``model_type`` (experts stacked, MLA's ``kv_b_proj`` split, FP8 blocks dequantized); None when no
-    installed runtime has that model type. Raises ``KeyError`` where that ``sanitize`` misses a tensor it needs."""
+    """Decoder-layer ``weights`` (under ``model.layers.0.``) put in the runtime's layout by its own ``sanitize``, or
+    None when no runtime has ``model_type``. Raises ``KeyError`` when that ``sanitize`` misses a tensor."""
 
 
 @hookspec(firstresult=True)
 def mtp_download_model(repo_id: str):
-    """The local directory of Hub model ``repo_id``, downloaded as the runtime downloads a model (its files, its
-    cache), or None if no runtime is installed. Raises what the download raises."""
+    """Local directory of Hub model ``repo_id``, downloaded as the runtime downloads models, or None if no runtime
+    is installed. Raises what the download raises."""
 
 
 @hookspec(firstresult=True)
@@ -157,19 +127,14 @@ def mtp_new_caches(model) -> tuple | None:
 
 @hookspec(firstresult=True)
 def mtp_generate_step(prompt, model, options: dict):
-    """A generator replacing the runtime's ``generate_step`` for ``model`` (yields ``(token, logprobs)``), or None.
-
-    ``options`` are ``decoding.generate``'s keywords, and ``prompt_inputs`` (a ``trunk.PromptInputs``, or absent)
-    when the runtime runs its prompt pass on embeddings and keywords of its own (mlx-vlm: media features merged,
-    multimodal positions)."""
+    """A generator replacing the runtime's ``generate_step`` (yields ``(token, logprobs)``), or None. ``options``:
+    ``single.generate``'s keywords, plus ``prompt_inputs`` (``decoding.trunk.PromptInputs``) for mlx-vlm."""
 
 
 @hookspec(firstresult=True)
 def mtp_decode(model, prompt: list, max_tokens: int, depth):
-    """Greedy token ids (an iterator of int) from the runtime's own generation loop, or None if no runtime handles
-    ``model``. ``depth``: None for stock decoding without MTP, 0 for the default decoding (adaptive depth, drafts from
-    the context too), 1..8 for the head alone at a fixed draft depth, or a depth policy object
-    (``decoding.DepthPolicy``). Counters land on ``model.mtp_head.stats``."""
+    """Greedy token ids (iterator of int) from the runtime's own loop, or None. ``depth``: None plain, 0 adaptive,
+    1..8 fixed, or a ``decoding.single.DepthPolicy``; counters land on ``model.mtp_head.stats``."""
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -179,7 +144,5 @@ def mtp_decode(model, prompt: list, max_tokens: int, depth):
 
 @hookspec
 def mtp_reference_decoders(model_dir, dtype) -> list:
-    """Decoders to compare against on ``model_dir`` (weights cast to ``dtype``, an ``mx.Dtype`` or None): other
-    runtimes' own MTP decoders, and this plugin's decoding where the bench's own rows cannot show it (another
-    runtime's media prompts); each item a ``ReferenceDecoder`` (see ``commands/bench.py``) or a one-line string
-    saying why that runtime cannot run it."""
+    """``commands.bench.ReferenceDecoder`` items to compare against on ``model_dir`` (cast to ``dtype``, an
+    ``mx.Dtype`` or None), or one-line strings saying why a runtime cannot run."""

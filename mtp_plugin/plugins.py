@@ -1,9 +1,5 @@
-"""The one PluginManager: built-in plugins are registered exactly like third-party ones.
-
-Third-party plugins are found through the ``mtp_plugin`` entry-point group
-(``[project.entry-points.mtp_plugin] name = "module"``). One that cannot be imported or registered, implements a hook
-the spec does not have, or raises from a hook is disabled alone, with one warning naming it; the built-ins and every
-other plugin go on. A built-in with such a fault raises (``check_pending``).
+"""The process-wide pluggy PluginManager: built-ins, then third-party plugins of the ``mtp_plugin`` entry-point group.
+A faulty third-party plugin is disabled alone with one warning; a faulty built-in raises. Guide: docs/plugins.md.
 """
 
 from __future__ import annotations
@@ -58,8 +54,7 @@ def hook():
 
 
 def _register_third_party(pm: pluggy.PluginManager, entry_point) -> None:
-    """Register the plugin ``entry_point`` names with every hook implementation guarded (``_guarded``); a plugin that
-    cannot be imported or registered, or implements an unknown hook, is left out with one warning."""
+    """Register ``entry_point``'s plugin, guarded; one that cannot be loaded is left out with one warning."""
     name = entry_point.name
     if pm.get_plugin(name) is not None or pm.is_blocked(name):
         return
@@ -74,8 +69,7 @@ def _register_third_party(pm: pluggy.PluginManager, entry_point) -> None:
 
 
 def _guarded(name: str, plugin) -> types.SimpleNamespace:
-    """``plugin``'s hook implementations, each returning None (no answer) once ``name`` is disabled, and disabling it
-    when it raises."""
+    """``plugin``'s hook implementations, returning None once ``name`` is disabled, and disabling it if they raise."""
 
     def guard(function):
         @functools.wraps(function)

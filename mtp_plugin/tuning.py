@@ -1,17 +1,6 @@
-"""Where tuned draft depths are kept: a user cache keyed by model, machine and versions; optionally config.json.
-
-A record says which depth decoded fastest on this machine (0: plain decoding, i.e. MTP parked). The
-user cache is ``$XDG_CACHE_HOME/mtp_plugin/tuning.json`` (default ``~/.cache/mtp_plugin/tuning.json``),
-one record per key; the key hashes
-
-* the model: its resolved directory and a fingerprint of its files (weights: name, size, mtime;
-  config.json: its content without our own ``mtp_tuned_depth`` entry, so ``--write`` keeps the key);
-* the machine: platform, architecture, MLX's default device and its name;
-* the versions of mlx, mlx-lm and mtp-plugin.
-
-``mtp-plugin tune --write`` also stores the depth as ``mtp_tuned_depth`` in the model's config.json,
-which travels with the model; the user cache, when it has a record, takes precedence.
-"""
+"""Tuned draft depths (0: plain decoding, MTP parked): a user cache, ``$XDG_CACHE_HOME/mtp_plugin/tuning.json``,
+keyed by model, machine and versions, and optionally ``mtp_tuned_depth`` in the model's config.json (the cache
+wins). See docs/commands.md (tune)."""
 
 from __future__ import annotations
 
@@ -42,7 +31,6 @@ def _version(package: str) -> str:
 
 
 def machine() -> dict:
-    """Platform, architecture, MLX default device and device name."""
     import mlx.core as mx
 
     info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
@@ -51,12 +39,12 @@ def machine() -> dict:
 
 
 def versions() -> dict:
-    """Installed versions of mlx, mlx-lm and mtp-plugin."""
     return {name: _version(name) for name in ("mlx", "mlx-lm", "mtp-plugin")}
 
 
 def fingerprint(model_dir: Path) -> str:
-    """Hash of the model's weight files (names, sizes, mtimes) and config.json (without ``mtp_tuned_depth``)."""
+    """Hash of the model's weight files (names, sizes, mtimes) and config.json without ``mtp_tuned_depth`` (so
+    ``--write`` keeps the key)."""
     digest = hashlib.sha256()
     for path in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.safetensors.index.json")):
         st = path.stat()
@@ -76,8 +64,7 @@ def key(model_dir: Path) -> tuple[str, dict]:
 
 
 def _records(path: Path) -> dict:
-    """The records of the user cache file ``path``: {} when it is missing, unreadable or not of the expected shape
-    (a damaged cache is ignored, and replaced by the next ``record``)."""
+    """The cache file's records; {} when it is missing, unreadable or malformed (the next ``record`` replaces it)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError):
@@ -87,29 +74,16 @@ def _records(path: Path) -> dict:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    """Write atomically (``files.atomic_write``): readers never see a partial file; the mode is kept."""
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
 
 
 def record(model_dir: Path, depth: int, results: dict, write_config: bool = False,
            draft_vocab: list[int] | None = None) -> Path:
-    """Record the tuned ``depth`` (0: plain) for ``model_dir`` in the user cache, and in its config.json if asked.
-
-    Args:
-        model_dir: the model directory.
-        depth: the recommended draft depth, 0..8 (0: plain decoding).
-        results: measurements to keep with the record (JSON-serialisable).
-        write_config: also set ``mtp_tuned_depth`` in ``model_dir/config.json`` (atomic replace).
-        draft_vocab: the token ids of the tuned draft vocabulary (``draft_vocab.py``), None for the full one.
-
-    Returns:
-        The user cache file written.
-
-    Raises:
-        UsageError: ``write_config`` and config.json or its directory is read-only (nothing written).
-        OSError: a file cannot be written.
-    """
+    """Record the tuned ``depth`` (0..8, 0: plain) for ``model_dir`` in the user cache, with ``results``
+    (JSON-serialisable) and ``draft_vocab`` (token ids of ``head.draft_vocab``'s tuned vocabulary; None: full); with
+    ``write_config``, also in its config.json (atomic replace). Returns the cache file. Raises ``UsageError`` when
+    ``write_config`` and config.json or its directory is read-only (nothing written), OSError on a failed write."""
     model_dir = Path(model_dir)
     if write_config:
         config_path = model_dir / "config.json"
@@ -128,8 +102,7 @@ def record(model_dir: Path, depth: int, results: dict, write_config: bool = Fals
 
 
 def recorded(model_dir: Path) -> dict | None:
-    """The user cache's record for ``model_dir`` on this machine with these versions (``depth``, ``draft_vocab``,
-    ``results``, …), or None. Never raises."""
+    """The cache's record for ``model_dir`` here (``depth``, ``draft_vocab``, ``results``, …) or None; never raises."""
     try:
         found = _records(cache_file()).get(key(model_dir)[0])
     except (OSError, ValueError, KeyError, TypeError):

@@ -1,8 +1,5 @@
-"""Usage errors and the ranges of the commands' numeric options, shared by the command line (argparse types,
-``--help``) and the Python functions behind it, so both refuse the same values with the same message.
-
-The command line exits 2 on a ``UsageError`` (argparse's own convention), 1 on a failure.
-"""
+"""``UsageError`` (exit 2) and the ranges of the commands' numeric options, shared by argparse and the Python
+functions behind the command line."""
 
 from __future__ import annotations
 
@@ -43,11 +40,7 @@ def within(option: str, value: int) -> bool:
 
 
 def check(option: str, value: int) -> int:
-    """``value`` if within the range of ``option`` (a key of ``RANGES``).
-
-    Raises:
-        UsageError: out of range; the message names the command-line option and its range.
-    """
+    """``value`` if within the range of ``option`` (a key of ``RANGES``), else ``UsageError`` naming the range."""
     if not within(option, value):
         raise UsageError(f"--{option.replace('_', '-')} must be {describe(option)}, got {value}")
     return value

@@ -1,22 +1,6 @@
-"""``mtp-plugin bench``: how fast MTP decoding is, and how close it comes to what its costs allow.
-
-From one run on the code prompt suite (``measure.py``): tokens/s of plain decoding (the runtime's
-own loop, MTP off), of MTP at each fixed depth and of the adaptive controller; acceptance by depth,
-tokens per cycle and trunk passes per generated token; the measured cost of a verify pass of k tokens
-t_verify(k) and of d draft steps t_draft(d), relative to a plain step t(1); the ideal speedup those
-costs allow at depth d (Leviathan et al. 2023, §3.1: tokens per cycle over the cycle's cost in plain
-steps)
-
-    ideal(d) = tokens_per_cycle(d) / ((t_draft(d) + t_verify(d + 1)) / t(1)),
-
-and efficiency = achieved speedup ÷ ideal(d): 1.0 means the loop adds nothing to the passes it must
-run (host bookkeeping, syncs, wasted trunk work all lower it). The host's milliseconds per cycle at each depth:
-building the cycle's graph (drafts, verify pass, acceptance) without evaluating it. The draft
-steps are timed over the full vocabulary and over a draft vocabulary (``draft_vocab.py``): the tuned one, which
-the rows then draft from and whose costs ``ideal`` uses, else one of V/8 tokens for its cost alone. The
-GatedDeltaNet rollback (``rollback.py``) at the best fixed depth, by capture and by replay: tokens/s and host ms per
-cycle. Then, where installed, other runtimes' own MTP decoders on the same checkpoint (``mtp_reference_decoders``
-hook), or one line saying why not.
+"""``mtp-plugin bench``: tokens/s of plain, fixed-depth and adaptive decoding, component costs relative to a plain
+step, ideal speedup and efficiency, rollback ways, and other runtimes' own MTP decoders. Usage and formulas:
+docs/commands.md#bench.
 """
 
 from __future__ import annotations
@@ -42,7 +26,7 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 class ReferenceDecoder(Protocol):
-    """Another runtime's own MTP decoding, for side-by-side figures."""
+    """Another runtime's own MTP decoding, run beside ours."""
 
     name: str
 
@@ -54,8 +38,8 @@ class ReferenceDecoder(Protocol):
 
 
 def cast(model, dtype) -> None:
-    """Cast every floating parameter of ``model`` and of its head to ``dtype`` (quantized weights stay; a draft
-    vocabulary's rows are copied again from the cast output projection)."""
+    """Cast every floating parameter of ``model`` and its head to ``dtype`` (quantized weights stay; a draft
+    vocabulary is rebuilt from the cast output projection)."""
     def convert(a):
         return a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a
 
@@ -70,8 +54,9 @@ def cast(model, dtype) -> None:
 
 
 def efficiency(rows: list[dict], costs: dict, draft: str = "draft") -> None:
-    """Add ``ideal`` and ``efficiency`` to each fixed-depth row (``depth N``), in place, with the draft costs
-    ``costs[draft]`` (``draft_subset``: the rows drafted over the tuned draft vocabulary)."""
+    """Add ``ideal`` and ``efficiency`` (speedup / ideal) to each ``depth N`` row in place, with draft costs
+    ``costs[draft]``: ideal(d) = tokens_per_cycle / ((t_draft(d) + t_verify(d + 1)) / t(1)) (Leviathan et al. 2023,
+    §3.1)."""
     t1 = costs["plain"]
     for row in rows:
         if row["name"].startswith("depth "):
@@ -82,8 +67,7 @@ def efficiency(rows: list[dict], costs: dict, draft: str = "draft") -> None:
 
 
 def _reference(decoder: ReferenceDecoder, prompts, depths: int, max_tokens: int, repeats: int) -> dict | str:
-    """The reference's rows, or one line saying why it failed (another runtime's failure is reported, never raised:
-    e.g. mlx-vlm's native drafter loads a DeepSeek-V3 head it cannot run)."""
+    """The reference's rows, or one line saying why it failed (another runtime's failure is never raised)."""
     candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}}
     try:
         results = measure.candidates(decoder.stream, decoder.stats, prompts, candidates, max_tokens, repeats,
@@ -99,24 +83,19 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
     """Run the benchmark on ``model_dir``.
 
     Args:
-        model_dir: model directory with an MTP head.
         depths: fixed depths 1..depths are measured (1..8).
-        max_tokens: tokens per prompt.
-        repeats: repeats of the suite (medians).
-        dtype: cast floating weights to ``float32`` / ``float16`` / ``bfloat16`` after loading, or None.
-        prompt_tokens: 0 for the suite's prompts (about 300 tokens each); else each prompt preceded by earlier source
-            up to this many tokens (``measure.with_context``: the same functions to continue at a long context).
+        max_tokens: tokens per prompt; repeats: runs of the suite (medians).
+        dtype: ``float32`` / ``float16`` / ``bfloat16`` to cast floating weights to after loading, or None.
+        prompt_tokens: 0, else each prompt padded with earlier source up to this many tokens
+            (``measure.with_context``).
         references: also measure other runtimes' own MTP decoders (``mtp_reference_decoders``).
 
     Returns:
-        ``{"candidates": rows (see ``tune.summarise``, plus ``ideal``/``efficiency`` per depth),
-        "costs": {"verify": {k: t_verify(k)/t(1)}, "draft": {d: t_draft(d)/t(1)}, "plain_seconds": t(1),
-        "host": {d: seconds building a cycle's graph and its commit at depth d; 0: a plain step's graph}, "layers": N,
-        "draft_subset": {d: t_draft(d)/t(1) over the draft vocabulary}, "subset_size": k, "subset_tuned": bool}``
-        (``draft_subset`` and ``subset_size`` only for a trunk that can project onto a subset),
-        "rollback": the best fixed depth's ``depth`` decoded with each GatedDeltaNet rollback way
-        (``measure.rollback_ways``),
-        "references": [{"name", "candidates"} or a string saying why not]}``.
+        ``{"candidates": rows (``tune.summarise`` plus ``ideal``/``efficiency``), "costs": {"plain_seconds": t(1),
+        "verify": {k: t_verify(k)/t(1)}, "draft": {d: t_draft(d)/t(1)}, "host": {d: seconds building a cycle's graph;
+        0: a plain step's}, "layers": N, "draft_subset", "subset_size" (only for a trunk that can project onto a
+        subset), "subset_tuned"},
+        "rollback": ``measure.rollback_ways`` at the best fixed depth, "references": [rows or a reason], ...}``.
 
     Raises:
         UsageError: ``depths``, ``max_tokens`` or ``repeats`` out of range (``usage.RANGES``), an unknown dtype, or a
@@ -166,9 +145,8 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
 
 
 def _cost_subset(model):
-    """A draft vocabulary of ``draft_vocab.candidate_sizes``' middle size (V/8) for timing the draft steps when none
-    is tuned (a draft step's cost depends on the subset's size only: the lowest ids), or None when the trunk cannot
-    project onto a subset."""
+    """An untuned draft vocabulary of the middle candidate size (lowest ids), to time draft steps only; None when
+    the trunk cannot project onto a subset."""
     trunk = hook().mtp_trunk(model=model, contract=model.mtp_head.module.contract)
     if not hasattr(trunk, "logits_over"):
         return None
@@ -235,7 +213,7 @@ def _adaptive_lines(adaptive: dict, t1: float) -> list[str]:
 
 
 def _ways(ways: dict) -> str:
-    """One line: replay against capture (``rollback.py``) at the best fixed depth, tokens/s and host ms per cycle."""
+    """One line: replay against capture (``decoding/rollback.py``), tokens/s and host ms per cycle."""
     if ways["auto"] is None:
         return "rollback: every trunk cache is trimmed (no recurrent layer: no way to choose)"
     capture, replay = ways["capture"], ways["replay"]

@@ -91,12 +91,9 @@ def _verify(args) -> int:
 
 
 def write_advice(result: dict) -> str:
-    """verify's last line: the current and the best wiring's acceptance, and whether ``--write`` is worth it.
-
-    A difference counts only beyond the measurement's noise: two standard errors of the difference of two acceptance
-    rates p over the same n drafts (n = tokens - 1), 2 * sqrt((p_best (1 - p_best) + p_current (1 - p_current)) / n),
-    the binomial standard error of each rate (conservative for rates measured on the same drafts, which correlate).
-    """
+    """verify's last line: current and best acceptance, and whether ``--write`` is worth it: only when the gain
+    exceeds two binomial standard errors of the difference, 2 * sqrt((p_b (1 - p_b) + p_c (1 - p_c)) / n),
+    n = tokens - 1 drafts (conservative: both rates come from the same drafts)."""
     best, current = result["best"], result["current"]
     line = f"current wiring {current['acceptance']:.3f}; best {best['acceptance']:.3f}"
     if result["written"]:

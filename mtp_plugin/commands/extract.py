@@ -15,25 +15,14 @@ from ..usage import DEFAULT_BITS, DEFAULT_GROUP_SIZE, UsageError, check_quantiza
 
 def extract(hf_dir: Path | str, out: Path, bits: int = DEFAULT_BITS, group_size: int = DEFAULT_GROUP_SIZE,
             force: bool = False, revision: str | None = None) -> dict:
-    """Write the head of ``hf_dir`` to ``out`` (safetensors, names ``mtp.*``, norms folded to absolute).
-
-    Args:
-        hf_dir: a checkpoint carrying a head (normally the original Hugging Face one), or its Hub repo id (only the
-            head's bytes are fetched: ``hub.fetch.head_checkpoint``, at ``revision``).
-        out: the head file to write (atomically, with the mode of a new user file); never inside ``hf_dir``.
-        bits: 4 or 8 for affine quantization with ``mx.quantize``, 16 to keep bfloat16.
-        group_size: quantization group size, one of ``usage.GROUP_SIZES``.
-        force: replace ``out`` if it exists (a writable file outside ``hf_dir``).
-
-    Returns:
-        Summary: tensors written, bytes, per-module quantization labels, norms folded.
+    """Write the head of ``hf_dir`` (a checkpoint or Hub repo id: only the head's bytes are fetched, at ``revision``)
+    to ``out`` atomically (safetensors, names ``mtp.*``, norms folded to absolute); ``bits`` 16 keeps bfloat16.
+    Returns a summary: tensors written, bytes, per-module quantization labels, norms folded.
 
     Raises:
-        UsageError: ``out`` exists (without ``force``), lies inside ``hf_dir``, or its directory is missing or
-            read-only; bits or group size not supported.
-        CheckpointError: no head in ``hf_dir``, or one that would not load (``validation.validate``: the loader's
-            own check against the head module of ``hf_dir``'s config.json; each problem names file and tensor);
-            ``HubError`` for a repository that cannot serve it.
+        UsageError: ``out`` exists (without ``force``), lies inside ``hf_dir`` or its directory is missing or
+            read-only; unsupported bits or group size; ``revision`` with a local path.
+        CheckpointError: no head, or one that would not load (``loading.validation.validate``); ``HubError``.
         ValueError: a group size that does not divide the head's widths.
     """
     check_quantization(bits, group_size)

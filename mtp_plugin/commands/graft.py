@@ -1,12 +1,5 @@
-"""``mtp-plugin graft``: give a head-less checkpoint (the recipient) the head of another (the donor).
-
-Recipient files are hard-linked into the output (copied where a link cannot be made, e.g. across filesystems), so
-the output costs only the head's bytes; the donor's head must pass the loader's validation against the head module
-of the recipient (``validation.validate``), so a graft never writes a head that would not load; the recipient and
-donor are never written; the output appears atomically (built in a temporary directory ``.NAME.*`` beside it, then
-renamed; removed on failure and on SIGTERM/SIGHUP when run under ``files.terminating_cleanly``, as the command line
-does). New files and directories get the modes of files the user creates (``files.user_mode``). Either input may be a
-Hub repo id (``hub.fetch``: of a donor only the head's bytes are fetched).
+"""``mtp-plugin graft``: give a head-less checkpoint (the recipient) the head of another (the donor), as a new
+directory of hard links plus the head file. Usage and guarantees: docs/commands.md#graft.
 """
 
 from __future__ import annotations
@@ -40,11 +33,7 @@ class GraftRefused(CheckpointError):
 
 
 def check_donor(donor: Path) -> None:
-    """Refuse a donor that is neither a model directory nor a file.
-
-    Raises:
-        UsageError: no such file or directory, or a directory without config.json.
-    """
+    """Raise ``UsageError`` unless ``donor`` is a file or a directory with config.json."""
     if not donor.exists():
         raise UsageError(f"--donor {donor}: no such file or directory; pass a checkpoint directory, a head "
                          ".safetensors file or a Hub repo id (OWNER/NAME; --revision for a branch, tag or commit)")
@@ -54,11 +43,7 @@ def check_donor(donor: Path) -> None:
 
 
 def donor_location(donor: Path, model_type: str) -> HeadLocation:
-    """The donor's head: a checkpoint directory (any head form) or a head-only safetensors file.
-
-    Raises:
-        CheckpointError: no head found in the donor.
-    """
+    """The head of ``donor``, a checkpoint directory or head-only weights file; ``CheckpointError`` if it has none."""
     if donor.is_dir():
         location = find_head(donor)
     else:
@@ -78,25 +63,24 @@ def donor_location(donor: Path, model_type: str) -> HeadLocation:
 
 def graft(recipient: Path | str, donor: Path | str, out: Path, layout: str = "mlx-lm", force: bool = False,
           bits: int = DEFAULT_BITS, group_size: int = DEFAULT_GROUP_SIZE, revision: str | None = None) -> dict:
-    """Build ``out``: ``recipient``'s files (hard links) plus ``donor``'s head in ``layout``.
+    """Build new directory ``out``: ``recipient``'s files (hard links, else copies) plus ``donor``'s head in
+    ``layout``, atomically (a temporary ``.NAME.*`` directory, renamed; removed on failure, and on SIGTERM/SIGHUP
+    under ``files.terminating_cleanly``).
 
     Args:
-        recipient: a model directory, or a Hub repo id (downloaded as mlx-lm downloads a model).
-        donor: a checkpoint directory or head file, or a Hub repo id (only its head's bytes are fetched:
-            ``hub.fetch.head_checkpoint``, at ``revision``).
-        bits, group_size: the head's quantization (``headfile.quantize_head``; 16 keeps bfloat16).
+        recipient: a model directory or Hub repo id.
+        donor: a checkpoint directory, head file or Hub repo id (only the head's bytes are fetched, at ``revision``).
+        bits, group_size: the head's quantization (``loading.headfile.quantize_head``; 16 keeps bfloat16).
 
     Returns:
-        Summary: layout, head file, tensors, head bytes, overridden mismatches, and how many recipient files were
-        hard-linked and how many copied (where a link cannot be made: another filesystem).
+        Summary: layout, head file, tensors, head bytes, overridden mismatches, files linked and copied.
 
     Raises:
-        UsageError: unknown layout, bits or group size; ``out`` exists, lies inside the recipient or donor, or its
-            parent is missing or read-only; a donor that does not exist or a donor directory without config.json.
-        GraftRefused: config or base-quantization mismatches (unless ``force``; a Hub donor's before any tensor byte
-            is fetched), a recipient that already carries a head, a donor head that would not load into the
-            recipient (``validation.validate``; never overridden), or an index the ``omlx`` layout must extend that
-            cannot be read.
+        UsageError: unknown layout, bits or group size; ``out`` exists, lies inside an input or its parent is
+            missing or read-only; a missing donor or a donor directory without config.json.
+        GraftRefused: config or base-quantization mismatches (unless ``force``), a recipient of an unsupported model
+            type or with a head, a donor head that would not load into it (even with ``force``), or an unreadable
+            index to extend.
         CheckpointError: unreadable inputs; ``HubError`` for a repository that cannot serve them.
     """
     if layout not in LAYOUTS:
@@ -154,20 +138,15 @@ def graft(recipient: Path | str, donor: Path | str, out: Path, layout: str = "ml
 
 
 def _refuse_mismatches(problems: list[str], force: bool) -> None:
-    """Raise ``GraftRefused`` listing config or base-quantization ``problems`` (``compat.mismatches``), unless
-    ``force``."""
+    """Raise ``GraftRefused`` listing ``problems`` (``loading.fit.mismatches``), unless ``force``."""
     if problems and not force:
         raise GraftRefused("donor head does not fit the recipient:\n  " + "\n  ".join(problems)
                            + "\n--force overrides (acceptance will tell whether the head still works)")
 
 
 def _index_to_extend(recipient: Path, head_file: str, layout: str) -> dict | None:
-    """The recipient's index (``checkpoint.read_index``) when ``layout``'s head file must be listed in it (a
-    ``model*`` file, which runtimes that read the index would otherwise miss), else None.
-
-    Raises:
-        GraftRefused: that index cannot be read as an object with a ``weight_map`` object.
-    """
+    """The recipient's index when ``layout``'s head file (a ``model*`` file) must be listed in it, else None;
+    ``GraftRefused`` when it cannot be read."""
     if not head_file.startswith("model") or not (recipient / INDEX).exists():
         return None
     data, problem = read_index(recipient)
@@ -179,9 +158,7 @@ def _index_to_extend(recipient: Path, head_file: str, layout: str) -> dict | Non
 
 
 def _link_tree(src: Path, dst: Path) -> tuple[int, int]:
-    """Hard-link every file of ``src`` into ``dst`` (same relative paths; a symbolic link's target), copying those
-    that cannot be linked (another filesystem, a filesystem without hard links); returns ``(linked, copied)`` file
-    counts."""
+    """Hard-link every file of ``src`` (a symlink's target) into ``dst``, else copy it; ``(linked, copied)``."""
     linked = copied = 0
     for path in sorted(src.rglob("*")):
         target = dst / path.relative_to(src)

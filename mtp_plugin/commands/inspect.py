@@ -1,9 +1,6 @@
-"""``mtp-plugin inspect``: can this directory run MTP, and if not, why — from headers and head tensors only.
-
-No trunk weights are read: file headers, the head's own tensors, and the trunk's 1-D norm weights (for the
-per-tensor norm convention) are all that is touched. The loader's own validation (``validation.validate``) runs on
-the head module built from config.json (unloaded: mlx never allocates its arrays), so ``can_run`` is true only for a
-head the loader uses.
+"""``mtp-plugin inspect``: can this directory run MTP, and if not, why. Reads file headers, the head's tensors and
+the trunk's 1-D norms only; ``can_run`` follows the loader's own ``loading.validation.validate``.
+Usage: docs/commands.md#inspect.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ def trunk_quantization(location: HeadLocation, headers: dict) -> str:
 
 
 def inspect_dir(model_dir: Path) -> dict:
-    """The inspect report of ``model_dir`` as a JSON-ready dict (keys listed in the README).
+    """The inspect report of ``model_dir`` as a JSON-ready dict (keys: docs/commands.md#inspect).
 
     Raises:
         CheckpointError: unreadable config.json or weights header.

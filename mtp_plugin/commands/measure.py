@@ -1,13 +1,6 @@
-"""Decode-speed measurements shared by ``mtp-plugin tune`` and ``bench``: a code prompt suite, tokens per
-second of each decoding candidate (through the runtime's own generation loop), and the cost of the
-loop's parts (plain step, verify pass, draft steps) relative to a plain step; tokens per second and host cost of
-each GatedDeltaNet rollback way (``rollback_ways``).
-
-Tokens per second count the tokens after the first (the first comes from the prompt pass, the same for
-every candidate) over the seconds from the first token to the last, greedy. Candidates are run
-interleaved (each prompt of each repeat is decoded by every candidate in turn, in a rotating order) so that a change of
-machine load hits them alike; each candidate's figure is the median over repeats of its tokens /
-seconds over the suite.
+"""Decode-speed measurements shared by ``mtp-plugin tune`` and ``bench``: the code prompt suite, tokens/s of each
+decoding candidate through the runtime's own loop, the loop's component costs and the rollback ways.
+Method: docs/commands.md#how-tune-and-bench-measure.
 """
 
 from __future__ import annotations
@@ -37,8 +30,7 @@ PROMPT_CHARS = 1000
 
 
 def code_prompts(sources: tuple[str, ...] = PROMPT_SOURCES) -> list[str]:
-    """Code prompts: from each standard-library module, about PROMPT_CHARS characters of source ending with the
-    signature line of its third function definition (the model continues the function)."""
+    """From each standard-library module, up to PROMPT_CHARS characters of source ending with its third ``def`` line."""
     prompts = []
     for name in sources:
         text = (Path(sysconfig.get_paths()["stdlib"]) / name).read_text()
@@ -51,15 +43,8 @@ def code_prompts(sources: tuple[str, ...] = PROMPT_SOURCES) -> list[str]:
 
 
 def with_context(prompts: list[list[int]], tokens: int, encode) -> list[list[int]]:
-    """Each prompt (token ids) preceded by earlier standard-library source, up to ``tokens`` tokens in all: the same
-    function to continue, at a long context (the prompt's own beginning is kept; the filler is the suite's modules
-    in full, in order, the prompt's last tokens kept).
-
-    Args:
-        prompts: token ids of the suite's prompts.
-        tokens: total prompt length wanted; a prompt already that long is kept as it is.
-        encode: the tokenizer's ``encode`` (text → token ids).
-    """
+    """Each prompt (token ids) preceded by the tail of the suite's modules' source, up to ``tokens`` tokens in all (a
+    longer prompt is kept as it is); ``encode``: the tokenizer's text → token ids."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     filler = encode("\n".join((stdlib / name).read_text() for name in PROMPT_SOURCES))
     return [filler[max(0, len(filler) - (tokens - len(p))):] + p if len(p) < tokens else p for p in prompts]
@@ -67,15 +52,8 @@ def with_context(prompts: list[list[int]], tokens: int, encode) -> list[list[int
 
 @dataclass
 class Result:
-    """One candidate's measurements.
-
-    Attributes:
-        name: ``plain``, ``depth N`` or ``adaptive``.
-        tokens_per_second: median over repeats.
-        runs: tokens per second of each repeat.
-        generations: tokens per second of each generation, repeat by repeat, prompt by prompt.
-        stats: MTP counters summed over every run (None for plain decoding).
-    """
+    """One candidate's tokens/s: the median over repeats, each repeat's (``runs``), each generation's; ``stats``: MTP
+    counters summed over every run (None for plain decoding)."""
 
     name: str
     tokens_per_second: float
@@ -85,13 +63,8 @@ class Result:
 
 
 def write_result(out: Path, name: str, text: str) -> Path:
-    """Write a benchmark's report atomically as ``out/DATE-DEVICE-NAME.txt`` (today's date, MLX's device name with
-    every run of other characters than letters and digits made one ``-``), never over an earlier report: the second
-    of a day is ``…-NAME-2.txt``, and so on; the path written.
-
-    Raises:
-        OSError: ``out`` cannot be created or written.
-    """
+    """Write ``text`` atomically as ``out/DATE-DEVICE-NAME.txt`` (``-2``, ``-3``… rather than overwrite); the path.
+    Raises ``OSError`` when ``out`` cannot be created or written."""
     device = re.sub(r"[^A-Za-z0-9]+", "-", tuning.machine()["device_name"]).strip("-")
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{datetime.date.today().isoformat()}-{device}-{name}"
@@ -111,8 +84,8 @@ def _timed(stream) -> tuple[int, float]:
 
 
 def runtime_decoder(model):
-    """``(decode, stats)`` for ``model`` in the installed runtime: ``decode(prompt, max_tokens, depth)`` streams
-    greedy tokens (``mtp_decode`` hook), ``stats()`` the counters of the last MTP generation."""
+    """``(decode, stats)``: ``decode(prompt, max_tokens, depth)`` streams greedy tokens (``mtp_decode``), ``stats()``
+    gives the last MTP generation's counters."""
     def decode(prompt, max_tokens, depth):
         return hook().mtp_decode(model=model, prompt=prompt, max_tokens=max_tokens, depth=depth)
 
@@ -121,21 +94,14 @@ def runtime_decoder(model):
 
 def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens: int,
                repeats: int, label: str = "measure", setup=None) -> dict[str, Result]:
-    """Measure each candidate, interleaved, with a progress bar on stderr (phases ``LABEL: warm-up``,
-    ``LABEL: decode``; the candidate and repeat as its postfix). The order of the candidates rotates by one at each
-    prompt of each repeat, so that each takes every place in the order alike (a run's speed depends on the run
-    before it on some machines).
+    """Measure each candidate after a warm-up, interleaved in an order rotating by one at each prompt, with a
+    progress bar on stderr. Tokens/s count the tokens after the first over the seconds from the first to the last.
 
     Args:
-        decode: ``decode(prompt, max_tokens, depth)`` → iterator of greedy token ids.
-        stats: ``stats()`` → ``MTPStats`` of the last MTP generation (or None).
-        prompts: token ids of each prompt.
+        decode, stats: as ``runtime_decoder`` returns them.
         depths: name → depth argument of ``decode`` (None: plain decoding, 0: adaptive, 1..8).
-        max_tokens: tokens generated per prompt (≥ 2: speeds count the tokens after the first).
-        repeats: repeats of the whole suite (≥ 1).
-        label: the command (or runtime) named in the progress bar.
-        setup: ``setup(name)`` called before each run of candidate ``name`` (e.g. to give the head a draft
-            vocabulary), or None.
+        max_tokens: tokens generated per prompt (≥ 2); repeats: runs of the whole suite (≥ 1).
+        setup: ``setup(name)`` called before each run of candidate ``name`` (e.g. to set a draft vocabulary), or None.
 
     Returns:
         name → Result, in the order of ``depths``.
@@ -174,8 +140,8 @@ def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens
 
 
 class _Warm:
-    """A model's trunk and head caches filled with a prompt (all but its last token's pair for the head), to time
-    the loop's parts on: ``last_hidden`` (1, 1, H) and ``token`` (1,) are the prompt's last."""
+    """Trunk and head caches filled with a prompt, to time the loop's parts on; ``last_hidden`` (1, 1, H) and
+    ``token`` (1,) are the prompt's last."""
 
     def __init__(self, model, prompt: list[int]):
         self.head = model.mtp_head.module
@@ -188,14 +154,8 @@ class _Warm:
         self.last_hidden, self.token = hidden[:, -1:], ids[-1:]
 
     def cycle(self, d: int, vocab=None) -> tuple[float, float, rollback.Recorder]:
-        """Build a whole cycle's graph (d draft steps, the verify pass, greedy acceptance), evaluate it, then build
-        its commit at a rejection of the first draft (only the newest token kept, as the cache grows by one token a
-        measurement) and evaluate that.
-
-        Returns:
-            ``(build, commit, recorder)``: seconds building the cycle's graph, seconds building the commit (neither
-            evaluating), and the pass's recorder.
-        """
+        """Build and evaluate one cycle at depth ``d``, then its commit at a rejection of the first draft (the cache
+        grows by one token); ``(seconds building the graph, seconds building the commit, the rollback recorder)``."""
         trunk, head, head_cache = self.trunk, self.head, self.head_cache
         start = time.perf_counter()
         g, x, drafts = self.last_hidden, self.token, []
@@ -218,20 +178,12 @@ class _Warm:
 
 
 def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30, vocab=None) -> dict:
-    """Seconds of the loop's parts with a warm cache, each ending in one host sync, medians over ``repeats``.
-
-    Args:
-        vocab: a ``draft_vocab.DraftVocabulary``: draft steps are also timed with their logits over its subset
-            (``draft_subset``); None: full vocabulary only.
+    """Seconds (medians over ``repeats``, warm cache, one host sync each) of the loop's parts.
 
     Returns:
-        ``{"plain": t(1), "verify": {k: t_verify(k)}, "draft": {d: t_draft(d)}, "draft_subset": {d: …},
-        "host": {d: …}, "layers": trunk layers}``: a plain step (1-token trunk pass, logits, log-softmax, argmax); a
-        verify pass of k = 2..max_depth+1 tokens with rollback capture, its logits and log-softmax; d = 1..max_depth
-        draft steps of the head with its output projection and argmax (``draft_subset`` only with ``vocab``); the
-        host's share of a cycle at depth d: building its graph (drafts over ``vocab`` when given, verify pass,
-        acceptance) and its commit at a rejection, without evaluating them (``host[0]``: building a plain step's
-        graph). Seconds.
+        ``{"plain": t(1), "verify": {k: t_verify(k)} for k = 2..max_depth+1, "draft": {d: t_draft(d)} for
+        d = 1..max_depth, "draft_subset": as "draft" over ``vocab`` (only with one), "host": {d: building a cycle's
+        graph and commit, unevaluated; 0: a plain step's}, "layers": trunk layers}``.
     """
     warm = _Warm(model, prompt)
     head, trunk, cache, head_cache, last_hidden, token = (warm.head, warm.trunk, warm.cache, warm.head_cache,
@@ -293,13 +245,11 @@ def component_costs(model, prompt: list[int], max_depth: int, repeats: int = 30,
 
 def rollback_ways(model, prompts: list[list[int]], depth: int, max_tokens: int, repeats: int,
                   ways: tuple[str, ...] = ("capture", "replay")) -> dict:
-    """MTP decoding at ``depth`` with each rollback way forced in turn (``rollback.force``), interleaved as
-    ``candidates`` runs them, and the host's share of a cycle with each.
+    """Decoding at ``depth`` with each rollback way forced in turn (``decoding.rollback.force``), as ``candidates``.
 
     Returns:
-        ``{"auto": the way "auto" takes on this backend, way: {"tokens_per_second": median, "runs": [...],
-        "host": seconds building a cycle's graph and its commit at a rejection, median of 30}}``; only
-        ``{"auto": None}`` for a trunk whose caches are all trimmable (no way to choose).
+        ``{"auto": the way auto takes here, way: {"tokens_per_second", "runs", "host": seconds per cycle}}``;
+        ``{"auto": None}`` when every trunk cache is trimmable.
     """
     decode, stats = runtime_decoder(model)
     warm = _Warm(model, prompts[0])

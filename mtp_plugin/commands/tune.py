@@ -1,17 +1,5 @@
-"""``mtp-plugin tune``: measure plain decoding and draft depths 1..N on a code prompt suite, record the fastest.
-
-The recommended depth must beat plain decoding by ``MARGIN`` (speedup: the median over repeated runs of
-its tokens per second ÷ plain's in the same run); otherwise plain decoding is recommended (recorded as
-depth 0: the adaptive controller then starts parked). The record goes to the user cache (``tuning.py``)
-and, with ``write``, to config.json; ``mlx_lm.generate`` with automatic depth starts its adaptive
-controller there.
-
-Then the draft vocabulary (``draft_vocab.py``): token frequencies from the model's own greedy output on the suite
-(and a user's text file), a subset of each size of ``draft_vocab.candidate_sizes`` ranked by them, each measured at
-the best depth (depth 1 when plain decoding won) beside the full vocabulary in the same run. The fastest subset is
-kept when it beats the full vocabulary at that depth by ``MARGIN``, and the depth is then recommended if the subset
-makes it beat plain decoding by ``MARGIN``; otherwise the full vocabulary is kept. The subset goes with the record
-and, with ``write``, to ``mtp_draft_vocab.json`` beside the model.
+"""``mtp-plugin tune``: measure plain decoding and draft depths 1..N on the code prompt suite, then draft vocabularies
+at the best depth; record the fastest (``tuning.py``). Usage: docs/commands.md#tune.
 """
 
 from __future__ import annotations
@@ -32,11 +20,8 @@ MARGIN = 0.02  # a depth is recommended only if at least 2 % faster than plain d
 
 
 def summarise(results: dict[str, measure.Result]) -> list[dict]:
-    """Per candidate: name, tokens/s (median), speedup vs plain, tokens per cycle, acceptance by depth.
-
-    The speedup is the median over repeats of the candidate's tokens/s ÷ plain's in the same repeat
-    (paired, so that a change of machine speed between repeats cancels).
-    """
+    """Per candidate: name, tokens/s (median), speedup (median over repeats of tokens/s ÷ plain's in the same
+    repeat), tokens per cycle, acceptance by depth, trunk passes per token; ``results`` must hold ``plain``."""
     plain = results["plain"].runs
     rows = []
     for name, r in results.items():
@@ -50,21 +35,13 @@ def summarise(results: dict[str, measure.Result]) -> list[dict]:
 
 
 def check_measure_options(depths: int, max_tokens: int, repeats: int) -> None:
-    """Refuse out-of-range options of tune and bench (``usage.RANGES``) before anything is loaded.
-
-    Raises:
-        UsageError: the option, its range and the value given.
-    """
+    """Raise ``UsageError`` for an option of tune or bench out of ``usage.RANGES``."""
     for option, value in (("depths", depths), ("max_tokens", max_tokens), ("repeats", repeats)):
         check(option, value)
 
 
 def load(model_dir: Path):
-    """``(model, tokenizer)`` through the installed runtime, with a usable head.
-
-    Raises:
-        CheckpointError: no usable head.
-    """
+    """``(model, tokenizer)`` through the installed runtime; ``CheckpointError`` without a usable head."""
     model, tokenizer = hook().mtp_load_model(model_dir=model_dir)
     if getattr(model, "mtp_head", None) is None:
         raise CheckpointError(f"{model_dir}: no usable MTP head; run `mtp-plugin inspect {model_dir}`")
@@ -72,8 +49,7 @@ def load(model_dir: Path):
 
 
 def token_counts(decode, prompts: list[list[int]], max_tokens: int, text: list[int] | None) -> Counter:
-    """Token id → occurrences in the model's greedy output (``decode(prompt, max_tokens, None)``: plain decoding) on
-    each prompt, plus in ``text`` (a user's text file's token ids, or None)."""
+    """Token id → occurrences in plain greedy output on each prompt plus in ``text`` (token ids, or None)."""
     counts = Counter(text or [])
     for prompt in prompts:
         counts.update(decode(prompt, max_tokens, None))
@@ -82,13 +58,12 @@ def token_counts(decode, prompts: list[list[int]], max_tokens: int, text: list[i
 
 def _vocabulary(model, loaded, decoder, prompts, depth: int, max_tokens: int, repeats: int,
                 text: list[int] | None) -> dict:
-    """Measure the candidate draft vocabularies at ``depth`` with ``decoder`` (``measure.runtime_decoder``'s
-    ``(decode, stats)``; module docstring); leaves ``loaded.draft_vocab`` None.
+    """Measure the candidate draft vocabularies at ``depth`` (``decoder``: ``measure.runtime_decoder``'s pair);
+    leaves ``loaded.draft_vocab`` None. A subset is chosen only when it beats the full vocabulary by ``MARGIN``.
 
     Returns:
-        ``{"depth": depth, "candidates": summarise rows ("plain", "depth D", "depth D S=k" …), "size": the chosen
-        k or None (full vocabulary), "token_ids": the chosen ids or None, "speedup": the chosen row's speedup over
-        plain}``.
+        ``{"depth", "candidates": summarise rows ("plain", "depth D", "depth D S=k"…), "size": k or None (full
+        vocabulary), "token_ids": ids or None, "speedup": the chosen row's over plain}``.
     """
     trunk = hook().mtp_trunk(model=model, contract=loaded.module.contract)
     if not hasattr(trunk, "logits_over"):  # a family's trunk that cannot project onto a subset
@@ -122,11 +97,7 @@ def _vocabulary(model, loaded, decoder, prompts, depth: int, max_tokens: int, re
 
 
 def read_text(path: Path | None) -> str | None:
-    """A user's UTF-8 text file (None: no file).
-
-    Raises:
-        UsageError: the file cannot be read as UTF-8 text.
-    """
+    """A UTF-8 text file's content (None: no file); ``UsageError`` when it cannot be read as text."""
     if path is None:
         return None
     try:
@@ -137,24 +108,20 @@ def read_text(path: Path | None) -> str | None:
 
 def tune(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int = 3, write: bool = False,
          vocab_text: Path | None = None) -> dict:
-    """Measure and record the best depth and draft vocabulary for ``model_dir`` on this machine.
+    """Measure and record the best depth (0: plain, when no depth beats it by ``MARGIN``) and draft vocabulary
+    for ``model_dir`` on this machine.
 
     Args:
-        model_dir: model directory with a head.
-        depths: fixed depths 1..depths are measured.
-        max_tokens: tokens per prompt.
-        repeats: repeats of the suite (medians).
+        depths: fixed depths 1..depths are measured; max_tokens: tokens per prompt; repeats: runs of the suite.
         write: also record the depth in config.json and the draft vocabulary in ``mtp_draft_vocab.json``.
         vocab_text: a UTF-8 text file whose tokens count towards the draft vocabulary's frequencies, or None.
 
     Returns:
-        ``{"candidates": [...summarise rows], "depth": recommended (0: plain), "vocabulary": see ``_vocabulary``,
-        "cache": path, "written": bool}``.
+        ``{"candidates": summarise rows, "depth", "vocabulary": see ``_vocabulary``, "cache": path, "written"}``.
 
     Raises:
-        UsageError: ``depths``, ``max_tokens`` or ``repeats`` out of range (``usage.RANGES``); ``write`` and
-            config.json, ``mtp_draft_vocab.json`` or their directory read-only (checked before measuring);
-            ``vocab_text`` unreadable.
+        UsageError: options out of ``usage.RANGES``; ``write`` with config.json, ``mtp_draft_vocab.json`` or their
+            directory read-only (checked before measuring); ``vocab_text`` unreadable.
         CheckpointError: no usable head.
     """
     check_measure_options(depths, max_tokens, repeats)

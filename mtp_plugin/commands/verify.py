@@ -1,9 +1,5 @@
-"""``mtp-plugin verify``: depth-1 greedy acceptance of a head under every wiring contract and norm reading.
-
-Teacher-forced, no decoding loop: for each position t the head drafts token t+2 from (h[t], x[t+1]); a draft is
-accepted when it equals the trunk's argmax at t+1. Swept: hidden before/after the final norm x concat order x norm
-readings (``decided``, ``stored_absolute``, ``all_zero_centred``, ``per_tensor`` when it differs); the best wins, the
-first named on a tie; ``--write`` records it in config.json. Why: docs/commands.md.
+"""``mtp-plugin verify``: teacher-forced depth-1 greedy acceptance (the head's draft of x[t+2] from (h[t], x[t+1])
+against the trunk's argmax at t+1) under every wiring contract and norm reading. Usage: docs/commands.md#verify.
 """
 
 from __future__ import annotations
@@ -40,12 +36,8 @@ class Candidate:
 
 
 def _norm_sets(loaded, score) -> tuple[dict[str, dict[str, str]], dict[str, dict[str, mx.array]]]:
-    """The norm readings swept for the loaded head ``loaded`` (see the module docstring), as conventions per norm,
-    and each norm's weight under each convention (from the weights as its files store them).
-
-    Args:
-        score: ``norm_settling.prompt_score`` of the text for the per-tensor search; None: too short for one.
-    """
+    """``(readings, weights)``: each norm reading as conventions per norm (``decided``, ``stored_absolute``,
+    ``all_zero_centred``, ``per_tensor`` when ``score`` is given and it differs), and each norm's weight under each."""
     location = loaded.location
     stored = hook().mtp_sanitize_head(weights=load_tensors(list(location.tensors.values())),
                                       config=location.config)
@@ -62,10 +54,8 @@ def _norm_sets(loaded, score) -> tuple[dict[str, dict[str, str]], dict[str, dict
 
 
 def sweep(model, tokens: mx.array) -> tuple[list[Candidate], dict[str, dict[str, str]]]:
-    """Acceptance of every wiring for trunk ``model`` (with ``model.mtp_head``) on ``tokens`` (T,), best first, and
-    the conventions per norm of each norm reading swept.
-
-    The norms the files leave open are settled on ``tokens`` first, as by a prompt (``norm_settling.on_prompt``)."""
+    """Every wiring's acceptance on ``tokens`` (T,), best first (the first swept on a tie), and each norm reading's
+    conventions; open norms are settled on ``tokens`` first (``head.norm_settling.on_prompt``)."""
     loaded = model.mtp_head
     head = loaded.module
     trunks = {h: hook().mtp_trunk(model=model, contract=Contract(hidden=h)) for h in ("post_norm", "pre_norm")}
@@ -103,13 +93,12 @@ def sweep(model, tokens: mx.array) -> tuple[list[Candidate], dict[str, dict[str,
 
 
 def verify(model_dir: Path, text: str, write: bool = False) -> dict:
-    """Load ``model_dir`` with the installed runtime, sweep the wiring on ``text``, maybe record the best.
+    """Load ``model_dir`` with the installed runtime, sweep the wiring on ``text`` (first ``MAX_TOKENS`` tokens),
+    and with ``write`` record the best in config.json.
 
     Returns:
-        ``{"best": …, "current": …, "candidates": [...], "written": bool, "head_trained": bool, "problems": [...],
-        …}`` (acceptances in 0..1; ``head_trained`` is inspect's verdict on the head's statistics; ``problems`` says
-        why the head is not usable, one line each: the best wiring accepting under ``MIN_ACCEPTANCE``, random
-        initialisation, or whatever else inspect reports; empty when it is usable).
+        ``{"best", "current", "candidates", "written", "head_trained", "problems", …}``: acceptances in 0..1;
+        ``problems`` (empty when the head is usable): inspect's, plus the best accepting under ``MIN_ACCEPTANCE``.
 
     Raises:
         UsageError: ``write`` and config.json or ``model_dir`` is read-only; ``text`` shorter than two tokens.
@@ -144,8 +133,7 @@ def verify(model_dir: Path, text: str, write: bool = False) -> dict:
 
 
 def _write_config(model_dir: Path, loaded, best: Candidate, conventions: dict[str, str]) -> None:
-    """Record the winning contract and norm ``conventions`` (per norm) of ``loaded`` (the head) in config.json
-    (atomic replace, mode kept)."""
+    """Record ``best``'s contract and the norm ``conventions`` in config.json (atomic, mode kept)."""
     config = dict(loaded.location.config)
     config[CONTRACT_KEY] = Contract(hidden=best.hidden, concat_order=best.concat_order).to_json()
     config[NORM_KEY] = json.dumps(conventions)

@@ -1,32 +1,6 @@
-"""Batched MTP decoding: one verify pass of the trunk for every row of a continuous batch.
-
-Each cycle the head drafts for every row at once (its pending pairs right-padded to one length, then
-``depth`` draft steps), the trunk verifies the rows' ``[last token, drafts…]`` in one (B, D+1) pass, each
-row accepts by its own rule (greedy, or exact rejection sampling with its own sampler settings and logits
-processors: ``decoding.accept_greedy`` / ``decoding.accept_sampled``), and every cache is rolled back to each
-row's own accepted prefix (``rollback.Recorder.commit_rows``) without running a token through the trunk again.
-Rows draft to different depths within one pass: a row's acceptance is computed on its own first d_r drafts
-only, so positions beyond them are verified and dropped (a row at depth 0 decodes one plain token). A row
-whose head output is not finite has every draft rejected inside the acceptance computation
-(``decoding.reject_nonfinite``), read in the same host sync; the caller then parks the head. A row may verify drafts
-from its context instead (``lookup.py``; the caller chooses them): the head's draft steps run only as far as the rows
-drafting from it need, and a lookup row's drafts are a point-mass proposal (q one-hot when sampling). A model
-without a head batches rows that verify lookup drafts or step plain (``BatchDrafter`` with no head).
-
-The design follows vLLM's speculative decoding scheduler (per-row accepted lengths, one batched verify
-pass; ``vllm/v1/spec_decode``) on mlx-lm's batched caches, whose per-row left padding absorbs the tokens a
-row rejects beyond what every row rejects.
-
-Row invariant between cycles: the trunk cache holds every token before ``last`` (the newest emitted
-token); the head's pending pairs (h[i], x[i+1]) end with the pair whose token is ``last``.
-
-Logits processors see what they see in mlx-lm's own ``GenerationBatch``: one call per token fed to the trunk, with
-the row's tokens up to it. A row with processors reads its part of a verify pass position by position
-(``decoding.Walk``; the rows with processors in lockstep, one host read per position for all of them), so that a
-rejected draft, or a position after the token the row finishes on, never reaches its processors. A row that
-finishes on a token no pass fed (its correction or bonus token) gets the call stock's last step makes for it from
-one extra trunk step on a copy of its cache (``final_call``).
-"""
+"""Batched MTP decoding: one trunk verify pass for every row of a continuous batch, each row accepting and rolling
+back to its own prefix. Between cycles a row's trunk cache holds every token before ``last``, and its pending head
+pairs end with the pair whose token is ``last``. Design: docs/decoding.md#batched-decoding."""
 
 from __future__ import annotations
 
@@ -57,20 +31,13 @@ class Row:
     """One request's decoding state between cycles.
 
     Attributes:
-        last: newest emitted token id, not yet fed to the trunk.
         pending: head pairs not yet fed (the last ``drafter.HISTORY_WINDOW`` at most).
-        sampling: None for greedy MTP drafting, else the row sampler's distribution.
-        sampler: the runtime's sampler callable, used on plain steps of a row that cannot draft (None: argmax).
-        processors: logits processors ``processor(tokens, logits) -> logits``.
+        sampler: the runtime's sampler, for plain steps of a row that cannot draft (None: argmax).
         history: token ids (N,) the processors have seen (None without processors).
-        depth: 0 never drafts (MTP off, or a sampler with no known distribution); 1..8 a fixed draft depth;
-            None follows the batch's depth policy.
-        stats: this row's MTP counters.
-        head_whole: whether the head's cache holds a pair for every context position from the first (a runtime
-            may keep such a cache for later requests that reuse this one's context); False once a park longer
-            than ``drafter.HISTORY_WINDOW`` dropped pairs.
-        schedule: what the scheduler keeps of the row (``scheduler.RowState``): the acceptance of its head drafts
-            and its drafts from the context (``lookup``: its index holds every token up to ``last``; None: none).
+        depth: 0 never drafts (MTP off, or a sampler with no known distribution); 1..8 fixed; None: the batch's policy.
+        head_whole: the head's cache holds a pair for every context position (a runtime may reuse it for later
+            requests); False once a park longer than ``drafter.HISTORY_WINDOW`` dropped pairs.
+        schedule: the scheduler's ``RowState`` of the row (its lookup index holds every token up to ``last``).
     """
 
     last: int
@@ -127,23 +94,14 @@ class Step:
 
 
 class BatchDrafter:
-    """Runs cycles over a batch of rows.
+    """Runs cycles over a batch of rows; ``trunk`` takes batched inputs (B, S); ``head`` None: lookup drafts only.
+    ``vocab``: the head's ``head.draft_vocab.DraftVocabulary`` or None, set by the runtime adapter before each batch."""
 
-    Args:
-        trunk: the trunk functions (``decoding.Trunk``; batched inputs (B, S)).
-        head: the loaded head module, or None for a model without one (lookup drafts only).
-
-    Attributes:
-        vocab: the head's ``draft_vocab.DraftVocabulary`` (drafts from its subset only), or None; set by the runtime
-            adapter before each batch.
-    """
-
-    def __init__(self, trunk, head: nn.Module):
+    def __init__(self, trunk, head: nn.Module | None):
         self.trunk, self.head, self.vocab = trunk, head, None
 
     def _feed(self, rows: list[Row], head_cache) -> mx.array | None:
-        """Feed every row's pending pairs in one right-padded pass; the last fed output per row (B, 1, H),
-        or None when no row has a pair."""
+        """Feed every row's pending pairs in one right-padded pass; the last output per row (B, 1, H), or None."""
         counts = [len(r.pending) for r in rows]
         width = max(counts)
         if width == 0:
@@ -184,12 +142,8 @@ class BatchDrafter:
         return row.sampler(logprobs).reshape(-1)
 
     def plain(self, rows: list[Row], cache: list, inputs: mx.array) -> Step:
-        """Queue one plain step (no drafting) of every row, as mlx-lm's ``GenerationBatch`` steps: feed ``inputs``
-        (B,), apply each row's processors (its history grows by its input) and sampler.
-
-        Returns:
-            The ``Step``, evaluated asynchronously.
-        """
+        """Queue one plain step of every row, as mlx-lm's ``GenerationBatch``: feed ``inputs`` (B), apply each
+        row's processors (its history grows by its input) and sampler; the ``Step``, evaluated asynchronously."""
         hidden = self.trunk.hidden(inputs[:, None], cache)
         logits = self.trunk.trunk_logits(hidden)[:, -1]
         if any(row.processors for row in rows):
@@ -213,23 +167,17 @@ class BatchDrafter:
 
     def cycle(self, rows: list[Row], cache: list, head_cache, depths: list[int], ends=None,
               lookups: list[tuple[list[int], int] | None] | None = None) -> Verified:
-        """Queue and run one cycle: draft, verify in one trunk pass, accept per row (one host sync; with rows that
-        have logits processors, one per position they read: ``decoding.Walk``).
+        """Queue and run one cycle: draft, verify in one trunk pass, accept per row (one host sync, or one per
+        position for rows with processors: ``single.Walk``); the ``Verified`` outcome, caches not yet committed
+        (``commit``). A row's processors have seen its block's last token iff ``len(block) <= accepted``; else
+        ``final_call`` makes that call.
 
         Args:
-            rows: the batch's rows, in cache row order (B ≥ 1).
-            cache: the trunk's batched caches (B rows).
-            head_cache: the head's batched KV cache (B rows).
-            depths: per row, the drafts wanted this cycle (0..8); a row with no pending pair decodes plain.
-            ends: ``ends(i, token) -> bool``, called once for each token of row i's block, in order: True when the
-                row finishes on it (its block is cut there). None: no row finishes inside a block.
-            lookups: per row, ``(drafts, match)``: token ids from its context to verify instead of the head's drafts
-                (its depth is then ignored), and the length of the match that proposed them; None: the head's.
-
-        Returns:
-            The ``Verified`` outcome; caches are not yet committed (``commit``). A row's processors have seen its
-            block's last token iff the pass fed it (``len(block) <= accepted``); for one that finishes on a token
-            they have not seen, ``final_call`` makes that call.
+            depths: per row, the drafts wanted (0..8); a row with no pending pair decodes plain.
+            ends: ``ends(i, token) -> bool``, called once per token of row i's block in order: True cuts the block there
+                (the row finishes on it). None: no row finishes inside a block.
+            lookups: per row, ``(drafts, match)``: context token ids verified instead of the head's drafts (its depth
+                ignored) and the match length; None: the head's.
         """
         lookups = lookups or [None] * len(rows)
         depths = [0 if looked is not None or not len(row.pending) else d
@@ -267,7 +215,7 @@ class BatchDrafter:
             d = depths[i]
             q, row_finite = None, finite[i] if head_width else finite
             if d and row.sampling is not None:
-                if matches[i]:  # a lookup row: a point mass at each draft (``decoding._Loop.launch_lookup``)
+                if matches[i]:  # a lookup row: a point mass at each draft (``single._Loop.launch_lookup``)
                     q, row_finite = (mx.arange(logits.shape[-1])[None] == inputs[i, 1 : d + 1, None]).astype(
                         mx.float32), mx.array(True)
                 else:
@@ -310,17 +258,14 @@ class BatchDrafter:
                         NONFINITE in outcomes)
 
     def final_call(self, row: Row, cache: list) -> None:
-        """The processors' call for a finishing row's newest token ``row.last``, which no pass fed (a correction or
-        bonus token, or a plain step's token not yet fed): the trunk run on it over ``cache``, a copy of the row's own
-        cache (one row; the batch's caches are not touched), as mlx-lm's ``GenerationBatch`` feeds a row's last token
-        (and calls its processors) in the step that emits it."""
+        """The processors' call for a finishing row's ``last``, which no pass fed: one trunk step over
+        ``cache``, a copy of the row's own cache (the batch's are untouched), as ``GenerationBatch`` makes that call."""
         fed = mx.array([row.last], dtype=mx.uint32)
         hidden = self.trunk.hidden(fed[None], cache)
         mx.async_eval(processed_logprobs(self.trunk.trunk_logits(hidden)[0, -1:], fed, row.history, row.processors))
 
     def commit(self, rows: list[Row], cache: list, head_cache, verified: Verified, keep: list[int]) -> None:
-        """Keep each row's first ``keep[b]`` verified inputs (1 ≤ keep[b] ≤ accepted+1): caches rolled back,
-        the head given those pairs, ``last`` the token after them."""
+        """Keep each row's first ``keep[b]`` (1..accepted+1) verified inputs: caches rolled back, pairs kept."""
         if verified.recorder is not None:
             verified.recorder.commit_rows(cache, keep)
         if verified.head_width > 1:
@@ -343,14 +288,9 @@ def _cut(block: list[int], ends) -> list[int]:
 
 
 def _read(walks: dict[int, Walk], ends) -> dict[int, tuple[list[int], int]]:
-    """Read the rows' walks in lockstep (one host read per position for all of them), each position processed after
-    the draft before it is accepted, until the row's block ends: a rejection, the bonus token, or the token it
-    finishes on (when that is an accepted draft the pass fed, its own call, the next position, is made too).
-
-    Returns:
-        Per row, its block and its outcome: the accepted count (the drafts read when cut on one), or
-        ``NONFINITE``.
-    """
+    """Read the rows' walks in lockstep (one host read per position for all), until each row's block ends (a
+    rejection, the bonus token, or the token it finishes on); per row its block and outcome (accepted count or
+    ``NONFINITE``)."""
     blocks, outcomes, active = {i: [] for i in walks}, {}, dict(walks)
     while active:
         mx.eval([w.outcomes[-1] for w in active.values()])

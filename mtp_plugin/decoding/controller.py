@@ -1,44 +1,6 @@
-"""Adaptive draft depth: pick the depth with the most tokens per second, from live measurements.
-
-Model. A cycle at draft depth d runs d head steps and one verify pass of d+1 tokens, costs c(d) seconds
-(measured: draft + verify + the cycle's one host sync) and emits E(d) tokens on average; plain decoding emits 1
-token per t(1) seconds. The controller chooses, among plain decoding and depths 1..max, the highest rate E(d) / c(d)
-(1 / t(1) for plain).
-
-Estimates. c(d) and t(1), in units of the choice's cost: the median of a depth's last ``window`` measurements, each
-its seconds over the median seconds of the choice's latest cycles (so that depths measured at different times compare
-as if measured together on a machine whose speed drifts); a draft depth's median is shrunk towards the cycle-weighted
-line in d through the measured draft depths by ``cost_prior`` pseudo-cycles (a block measured in a slow stretch does
-not decide alone); a depth not yet measured lies on that line, or on the one through plain decoding (d = 0) while
-no draft depth is measured (through a single point: cost proportional to d + 1). E(d): the tokens per cycle the
-depth actually gave (decayed counts with a half-life in emitted tokens), shrunk towards the chain model of Leviathan
-et al. 2023, "Fast Inference from Transformers via Speculative Decoding", §3.1,
-
-    E(d) = 1 + p1 + p1·p2 + … + p1·p2⋯pd,
-
-by ``realized_prior`` pseudo-cycles; p_k = P(draft k accepted | drafts 1..k-1 accepted) is pooled over every
-cycle that verified draft k (decayed counts, a prior of a few pseudo-cycles centred on p_(k-1); p_1: 0.5). The
-chain model alone predicts a depth not yet run; once a depth has run, what it gave decides. The two differ where
-acceptance depends on where cycles start, and where they start depends on the depth: on a text with a periodic
-structure (the tiny model's greedy loops: drafts right 3, 2, 1, 0, 0, 0 positions ahead, period 6), cycles of depth 2
-keep landing on the hard positions, so p1 pooled at depth 2 (0.25) predicts depth 1 at 1.25 tokens per cycle where
-it gives 1.5, and a controller trusting the chain stays at depth 2, the worst of depths 1-3.
-
-Decisions, every ``block`` cycles. Exploration rounds: the first decision, and then every ``explore_every`` emitted
-tokens, run a block at each neighbour of the choice (plain first while its predicted rate is within ``contest``
-of the choice's, then d-1 and d+1 while they could beat plain at full acceptance). A round whose measured
-neighbours all fall clearly below the choice (by ``margin``) doubles the interval (up to ``max_explore_every``), a
-switch resets it. When no measured depth could beat plain even with every draft accepted ((d+1)/c(d) ≤ 1/t(1): a
-verify pass dearer than the tokens it could give, as on a CPU whose matmul cost grows with the tokens of a pass),
-the interval is the longest at once and the blocks last ``probe`` cycles. Otherwise the choice moves to the
-candidate with the best predicted rate (plain, the measured depths, the choice's neighbours and the depth the
-estimates rank first) when that beats the current choice's by ``margin`` (hysteresis against noise); a depth not
-yet run is first explored for a block.
-
-Pure logic: no mlx, no clock. The decoding loop asks ``next_depth()`` once per cycle and reports each
-cycle with ``observe``; the question may run one cycle ahead of the reports (the loop queues each
-block's successor before yielding the block), and the last one of a generation may go unreported.
-"""
+"""Adaptive draft depth: each cycle, plain decoding or the draft depth d with the most predicted tokens per second,
+E(d) / c(d), E(d) shrunk towards the chain model of Leviathan et al. 2023, §3.1. Pure logic: no mlx, no clock.
+Design: docs/decoding.md (Draft depth: adaptive, tuned, or fixed)."""
 
 from __future__ import annotations
 
@@ -52,28 +14,15 @@ MIN_SECONDS = 1e-9  # the least cost recorded for a cycle, so that rates stay fi
 
 @dataclass(frozen=True)
 class Settings:
-    """Controller constants (chosen on recorded acceptance traces of the bundled model with the costs of a CPU,
-    and on synthetic GPU-like traces; see ``tests/test_controller.py``).
-
-    Attributes:
-        max_depth: largest draft depth considered (≥ 1).
-        margin: relative predicted gain needed to switch (0.05: 5 % more tokens per second).
-        half_life: emitted tokens after which the chain model's acceptance evidence weighs half.
-        prior_weight: pseudo-cycles of prior in each p_k estimate of the chain model.
-        first_prior: prior p_1 before any evidence.
-        realized_prior: pseudo-cycles of the chain model's prediction in a depth's tokens-per-cycle estimate.
-        realized_half_life: emitted tokens after which the tokens per cycle a depth gave weigh half (longer than
-            ``half_life``: a depth other than the choice runs only in exploration blocks).
-        window: measurements per depth whose median is its cost.
-        reference: the choice's latest cycles whose median seconds make the cost unit.
-        cost_prior: pseudo-cycles of the line through the measured draft depths in a measured draft depth's cost
-            (with two measured draft depths the line passes through both: no shrink).
-        block: cycles run at a depth (the choice, or one being explored) before the next decision.
-        explore_every: emitted tokens between exploration rounds (doubled while rounds confirm the choice).
-        max_explore_every: the longest interval between exploration rounds, in tokens.
-        contest: plain decoding is explored only while its predicted rate is within this fraction of the choice's.
-        probe: cycles of an exploration block while no measured depth could beat plain even at full acceptance.
-    """
+    """Controller constants (tuned on the traces of ``tests/test_controller.py``); weights in pseudo-cycles, half-lives
+    in emitted tokens. ``margin``: relative predicted gain in tokens per second needed to switch. ``half_life``,
+    ``prior_weight``, ``first_prior``: the chain model's p_k counts and their prior. ``realized_prior``,
+    ``realized_half_life``: the chain's weight in, and the half-life of, the tokens per cycle a depth gave. ``window``:
+    measurements per depth whose median is its cost; ``reference``: the choice's latest cycles whose median seconds
+    make the cost unit; ``cost_prior``: the line's weight in a measured draft depth's cost. ``block``: cycles per
+    decision; ``explore_every`` to ``max_explore_every``: emitted tokens between exploration rounds (doubling);
+    ``contest``: plain is explored only while within this fraction of the choice's rate; ``probe``: cycles of an
+    exploration block while no measured depth could beat plain even at full acceptance."""
 
     max_depth: int = 8
     margin: float = 0.05
@@ -93,9 +42,8 @@ class Settings:
 
 
 def chain_acceptance(accepted: list[float], reached: list[float], weight: float, first: float) -> list[float]:
-    """Conditional acceptance [p_1, …, p_n] from decayed counts (index k of ``accepted`` / ``reached``: cycles that
-    accepted / verified draft k; index 0 unused), each p_k shrunk towards p_(k-1) by ``weight`` pseudo-cycles, p_1
-    towards ``first``."""
+    """Conditional acceptance [p_1, …, p_n] from decayed counts of cycles that accepted / verified draft k (index
+    k; 0 unused), each p_k shrunk towards p_(k-1) by ``weight`` pseudo-cycles, p_1 towards ``first``."""
     out, prior = [], first
     for k in range(1, len(accepted)):
         prior = (accepted[k] + weight * prior) / (reached[k] + weight)
@@ -104,20 +52,10 @@ def chain_acceptance(accepted: list[float], reached: list[float], weight: float,
 
 
 class DepthController:
-    """Chooses the draft depth of each cycle (``PLAIN`` = a plain decoding step).
-
-    Args:
-        start: depth to start with, 0..max_depth (0: start parked, e.g. when tuning found plain fastest).
-        settings: constants (defaults suit both CPU and GPU backends).
-
-    Attributes:
-        cycles_at, tokens_at: per depth (index 0: plain steps), the cycles run and tokens emitted (not decayed).
-        explored_at: per depth, the cycles asked for in exploration blocks.
-        switches: changes of choice so far.
-
-    Raises:
-        ValueError: ``start`` outside 0..max_depth.
-    """
+    """Chooses the draft depth of each cycle (``PLAIN``: a plain step); ``start``: 0..max_depth (0: parked), else
+    ValueError. ``next_depth()`` is asked once per cycle and ``observe`` reports it; questions may run one cycle ahead
+    of the reports, and a generation's last cycle may go unreported. ``cycles_at``, ``tokens_at``, ``explored_at``: per
+    depth (index 0: plain), cycles run, tokens emitted and cycles asked for in exploration blocks (not decayed)."""
 
     def __init__(self, start: int = 2, settings: Settings | None = None):
         self.settings = s = settings or Settings()
@@ -143,7 +81,7 @@ class DepthController:
     # Estimates -------------------------------------------------------------------------------------
 
     def acceptance(self) -> list[float]:
-        """The chain model's conditional acceptance [p_1, …, p_max], each in (0, 1)."""
+        """The chain model's [p_1, …, p_max], each in (0, 1)."""
         s = self.settings
         return chain_acceptance(self.accepted, self.reached, s.prior_weight, s.first_prior)
 
@@ -163,10 +101,8 @@ class DepthController:
         return (self.tokens[depth] + prior * self.chain_tokens(depth)) / (self.cycles[depth] + prior)
 
     def cost(self, depth: int) -> float | None:
-        """Cost of a cycle at ``depth`` (PLAIN: of a plain token) in units of the choice's (``unit`` seconds); None
-        when nothing is measured. A measured draft depth's median is shrunk towards the line through the measured
-        draft depths (``_line``) by ``cost_prior`` pseudo-cycles: a few cycles measured once, maybe in a slow second,
-        do not decide alone. An unmeasured depth lies on the line."""
+        """Cost of a cycle at ``depth`` (PLAIN: a plain token) in units of the choice's (``unit``); None before any
+        measurement. A measured draft depth's median is shrunk towards ``_line`` by ``cost_prior`` pseudo-cycles."""
         points = {d: (statistics.median(c), len(c)) for d, c in enumerate(self.costs) if c}
         if not points:
             return None
@@ -180,18 +116,17 @@ class DepthController:
         return (n * median + self.settings.cost_prior * line) / (n + self.settings.cost_prior)
 
     def unit(self) -> float | None:
-        """Seconds a cost unit takes now: the median of the choice's latest cycles; None before any cycle."""
+        """Seconds of a cost unit now (median of the choice's latest cycles); None before any cycle."""
         return statistics.median(self.recent) if self.recent else None
 
     def rate(self, depth: int) -> float | None:
-        """Predicted tokens per unit of cost at ``depth`` (PLAIN: plain decoding), or None if no cost is known."""
+        """Predicted tokens per cost unit at ``depth``, or None if no cost is known."""
         c = self.cost(depth)
         return None if c is None else self.expected_tokens(depth) / c
 
     def report(self) -> dict:
-        """What the controller did and decided on: per depth that ran, ``cycles``, ``tokens``, ``explored``
-        (cycles asked for in exploration blocks), and its ``tokens_per_cycle`` estimate, ``cost`` (seconds) and
-        ``rate`` (tokens/s) at the machine's present speed; the ``choice``, ``switches`` and exploration ``rounds``."""
+        """Per depth that ran: ``cycles``, ``tokens``, ``explored``, ``tokens_per_cycle``, ``cost`` (seconds) and
+        ``rate`` (tokens/s) at the present speed; plus ``choice``, ``switches`` and ``rounds``."""
         unit, depths = self.unit(), {}
         for d in (d for d in range(self.settings.max_depth + 1) if self.cycles_at[d]):
             cost = self.cost(d)
@@ -213,14 +148,8 @@ class DepthController:
         return self.running
 
     def observe(self, depth: int, accepted: int, seconds: float) -> None:
-        """Report a finished cycle.
-
-        Args:
-            depth: what ran: a draft depth, or PLAIN (one plain step emitting one token).
-            accepted: drafts accepted, 0..depth (0 for PLAIN).
-            seconds: its cost (wall-clock seconds spent in the decoding loop, consumer time excluded); a clock
-                too coarse to see it (0) counts as ``MIN_SECONDS``.
-        """
+        """Report a finished cycle: ``accepted`` drafts, 0..depth (0 for PLAIN), in ``seconds`` of wall-clock time
+        in the decoding loop (consumer time excluded; 0 counts as ``MIN_SECONDS``)."""
         emitted = accepted + 1
         fade = 0.5 ** (emitted / self.settings.half_life)
         for counts in (self.reached, self.accepted):
@@ -276,12 +205,11 @@ class DepthController:
         self.running, self.hold = self.choice, s.block
 
     def _explore(self, depth: int) -> None:
-        """Run a block at ``depth`` beside the choice (``probe`` cycles while parked and hopeless)."""
         hopeless = self.choice == PLAIN and self._hopeless()
         self.running, self.hold = depth, self.settings.probe if hopeless else self.settings.block
 
     def _rebase(self, ratio: float) -> None:
-        """Make the cost unit a depth that costs ``ratio`` of the present unit (the new choice's cost)."""
+        """Make the cost unit the new choice's, which costs ``ratio`` of the present unit."""
         recent = [v * ratio for v in self.recent]  # what the new choice would have taken
         self.recent.clear()
         self.recent.extend(recent)
@@ -291,15 +219,10 @@ class DepthController:
             window.extend(values)
 
     def _neighbours(self) -> list[int]:
-        """d-1 and d+1 within 1..max_depth, and plain, around the choice."""
         d = self.choice
         return [n for n in (d - 1, d + 1) if 1 <= n <= self.settings.max_depth] + ([PLAIN] if d != PLAIN else [])
 
     def _worth_exploring(self, depth: int) -> bool:
-        """Whether a round runs a block at ``depth``: not the choice itself; plain only while its predicted rate is
-        within ``contest`` of the choice's (on a fast backend plain is far behind); a depth only while it could beat
-        plain at full acceptance, (d+1)/c(d) > 1/t(1), by its measured or extrapolated cost, or while the choice is
-        plain (a short probe then, ``probe`` cycles: costs may have changed)."""
         plain, current = self.rate(PLAIN), self.rate(self.choice)
         if depth == self.choice:
             return False
@@ -316,8 +239,8 @@ class DepthController:
 
 
 def _line(points: dict[int, tuple[float, int]], depth: int) -> float:
-    """The cost at ``depth`` on the least-squares line through ``points`` ({depth: (median cost, cycles)}, weighted by
-    cycles; slope ≥ 0, never below the least point); one point: cost proportional to the tokens a pass handles."""
+    """Cost at ``depth`` on the cycle-weighted least-squares line through {depth: (median cost, cycles)} (slope ≥ 0,
+    never below the least point); through one point: cost proportional to depth + 1."""
     if len(points) == 1:
         ((d0, (c0, _)),) = points.items()
         return c0 * (depth + 1) / (d0 + 1)
@@ -330,13 +253,12 @@ def _line(points: dict[int, tuple[float, int]], depth: int) -> float:
 
 
 class FixedDepth:
-    """The depth policy of an explicit depth: every cycle drafts ``depth`` tokens, nothing is learned."""
+    """The depth policy of an explicit depth: every cycle drafts ``depth`` tokens."""
 
     def __init__(self, depth: int):
         self.depth = depth
 
     def next_depth(self) -> int:
-        """Always ``depth``."""
         return self.depth
 
     def observe(self, depth: int, accepted: int, seconds: float) -> None:

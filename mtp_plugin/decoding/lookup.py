@@ -1,7 +1,5 @@
-"""Drafts from the context (prompt lookup): the tokens that followed the latest earlier occurrence of the context's
-last few tokens (llama.cpp's ``ngram-simple``; vLLM's ``[ngram]`` proposer), and what their drafts gave so far.
-Whether a cycle verifies them is the scheduler's decision (``scheduler.plan``); docs/lookup.md has the design.
-"""
+"""Drafts from the context (prompt lookup, as llama.cpp's ``ngram-simple`` and vLLM's ``[ngram]`` proposer) and the
+acceptance of those drafts so far; ``scheduler.plan`` decides whether a cycle verifies them. Design: docs/lookup.md."""
 
 from __future__ import annotations
 
@@ -13,14 +11,8 @@ MAX_LOOKUP = 16  # longest lookup draft
 
 
 class ContextIndex:
-    """The n-grams of a request's tokens, kept as tokens are committed.
-
-    Args:
-        n_min, n_max: the n-gram lengths matched (1 ≤ n_min ≤ n_max).
-
-    Raises:
-        ValueError: a bad range.
-    """
+    """The n-grams (n = ``n_min``..``n_max``) of a request's committed tokens, each mapped to the position after its
+    latest occurrence. Raises ValueError unless 1 ≤ n_min ≤ n_max."""
 
     def __init__(self, n_min: int = 2, n_max: int = 4):
         if not 1 <= n_min <= n_max:
@@ -30,7 +22,7 @@ class ContextIndex:
         self.follows: dict[tuple[int, ...], int] = {}  # n-gram → position of the token after its latest occurrence
 
     def extend(self, tokens: list[int]) -> None:
-        """Commit token ids, in order; each n-gram they complete before a following token gets indexed."""
+        """Commit token ids, in order, indexing the n-grams they complete."""
         for token in tokens:
             i = len(self.tokens)
             self.tokens.append(token)
@@ -38,17 +30,9 @@ class ContextIndex:
                 self.follows[tuple(self.tokens[i - n : i])] = i
 
     def propose(self, max_len: int, behind: bool = False) -> tuple[list[int], int]:
-        """A lookup draft.
-
-        Args:
-            max_len: the most draft tokens.
-            behind: the newest token is not committed yet (it is the one after ``tokens``): the match ends at the last
-                committed token, and its first following token stands for the newest.
-
-        Returns:
-            ``(drafts, n)``: up to ``max_len`` token ids to follow the newest token, and the length of the match that
-            proposed them; ``([], 0)`` when the context's last ``n_min`` tokens never occurred before.
-        """
+        """``(drafts, n)``: up to ``max_len`` ids to follow the newest token, from the longest match n (repeating with
+        its period past the context's end); ``([], 0)`` if none of ``n_min`` or more. ``behind``: the newest token is
+        uncommitted; the match ends at the last committed one, whose first follower stands for it."""
         size = len(self.tokens)
         for n in range(min(self.n_max, size), self.n_min - 1, -1):
             start = self.follows.get(tuple(self.tokens[-n:]))
@@ -63,20 +47,10 @@ class ContextIndex:
 
 @dataclass(frozen=True)
 class LookupSettings:
-    """Constants of ``LookupPolicy``.
-
-    Attributes:
-        max_len: longest lookup draft, 1..``MAX_LOOKUP``.
-        slope: None: a verify pass costs what the scheduler's cost model says (``scheduler.CostModel``); a number
-            ≥ 0: a pass of k drafts costs ``1 + slope·k`` plain steps, whatever was measured.
-        first_prior: prior acceptance of a lookup's first draft, in (0, 1).
-        prior_weight: pseudo-cycles of prior in each acceptance estimate, ≥ 0.
-        half_life: committed tokens after which a count weighs half, > 0.
-        n_min, n_max: the n-gram lengths matched (``ContextIndex``), 1 ≤ n_min ≤ n_max.
-
-    Raises:
-        ValueError: a setting out of its range, named.
-    """
+    """Constants of ``LookupPolicy`` (ValueError names each one out of range): ``max_len`` 1..``MAX_LOOKUP``;
+    ``slope`` None (a verify pass costs what ``scheduler.CostModel`` says) or ≥ 0 (a pass of k drafts costs 1 + slope·k
+    plain steps, whatever was measured); ``first_prior`` in (0, 1) and ``prior_weight`` ≥ 0 pseudo-cycles: the prior
+    acceptance of a first draft; ``half_life`` > 0 committed tokens; ``n_min``..``n_max``: n-gram lengths matched."""
 
     max_len: int = MAX_LOOKUP
     slope: float | None = None
@@ -87,7 +61,6 @@ class LookupSettings:
     n_max: int = 4
 
     def __post_init__(self):
-        """Raises ValueError naming every setting out of its range."""
         bad = [f"{name}={value!r} (must be {rule})" for name, value, ok, rule in (
             ("max_len", self.max_len, 1 <= self.max_len <= MAX_LOOKUP, f"1..{MAX_LOOKUP}"),
             ("slope", self.slope, self.slope is None or self.slope >= 0, "None or >= 0"),
@@ -100,10 +73,8 @@ class LookupSettings:
 
 
 def sampled_prior(model) -> Chain:
-    """``model``'s first-draft acceptance of lookup drafts in its sampled generations (a one-draft ``Chain``: 2
-    pseudo-cycles at ``LookupSettings.first_prior``; counts halved at each generation's start, so that a prior that
-    stopped lookup drafts drifts back and a later generation tries them again), made on first use and kept on the
-    model (``mtp_lookup_prior``)."""
+    """``model``'s first-draft acceptance of lookup drafts in sampled generations: a one-draft ``Chain``, 2
+    pseudo-cycles at ``LookupSettings.first_prior``, halved per generation; kept on the model (``mtp_lookup_prior``)."""
     prior = getattr(model, "mtp_lookup_prior", None)
     if prior is None:
         prior = model.mtp_lookup_prior = Chain(1, LookupSettings.first_prior, 2.0, half_life=1.0)
@@ -111,14 +82,8 @@ def sampled_prior(model) -> Chain:
 
 
 class LookupPolicy:
-    """A generation's lookup drafts: its context's index, and the acceptance of its drafts so far, kept apart for each
-    match length (a longer match predicts better).
-
-    Args:
-        settings: constants (``LookupSettings``).
-        prior: for a sampled generation with the default settings, the model's ``sampled_prior``: its p_1, after a
-            generation's fade, replaces ``settings.first_prior``, and it learns from this generation's lookup cycles.
-    """
+    """A generation's lookup drafts: its context's index and their acceptance per match length. ``prior``: a sampled
+    generation's ``sampled_prior``; its p_1 replaces ``settings.first_prior`` and it learns from this generation."""
 
     def __init__(self, settings: LookupSettings | None = None, prior: Chain | None = None):
         self.settings = s = settings or LookupSettings()
@@ -130,9 +95,8 @@ class LookupPolicy:
         self.chains = {n: Chain(s.max_len, first, s.prior_weight, s.half_life) for n in range(s.n_min, s.n_max + 1)}
 
     def propose(self, room: int | None, behind: bool = False) -> tuple[tuple[int, ...], int, list[float]]:
-        """The context's draft for the next cycle, at most ``room`` tokens (None: no limit): ``(drafts, match,
-        expected)``, ``expected`` [E(0), …, E(len(drafts))] by the chain model of that match length; ``behind`` as for
-        ``ContextIndex.propose``. ``((), 0, [1.0])`` when nothing matches."""
+        """``(drafts, match, expected)``, at most ``room`` drafts (None: no limit), ``expected`` = [E(0), …,
+        E(len(drafts))] by the match's chain; ``((), 0, [1.0])`` if none; ``behind``: ``ContextIndex``'s."""
         longest = self.settings.max_len if room is None else min(self.settings.max_len, room)
         drafts, n = self.index.propose(longest, behind) if longest > 0 else ([], 0)
         if not drafts:
@@ -140,7 +104,7 @@ class LookupPolicy:
         return tuple(drafts), n, self.chains[n].expected(len(drafts))
 
     def observe(self, n: int, length: int, accepted: int) -> None:
-        """A lookup cycle ran: ``length`` drafts from a match of length ``n``, ``accepted`` of them accepted."""
+        """A lookup cycle verified ``length`` drafts from a match of length ``n`` and accepted ``accepted``."""
         self.chains[n].observe(length, accepted)
         if self.prior is not None:
             self.prior.observe(length, accepted)
@@ -152,20 +116,9 @@ class LookupPolicy:
 
 
 def lookup_policy(option, headless: bool, prior: Chain | None = None) -> LookupPolicy | None:
-    """The loop's ``lookup`` for a generation's ``mtp_lookup`` option.
-
-    Args:
-        option: None (the default: on for a model with a head, off without one), True, False, or ``LookupSettings``
-            (on, with these constants).
-        headless: the model has no head that drafts.
-        prior: for a sampled generation, the model's ``sampled_prior``; used unless ``option`` sets the constants.
-
-    Returns:
-        a fresh ``LookupPolicy`` (its index is this generation's), or None: no lookup drafts.
-
-    Raises:
-        ValueError: ``option`` is none of those, or a setting is out of range.
-    """
+    """The loop's ``lookup`` for a generation's ``mtp_lookup`` ``option``: None (on with a head that drafts, off
+    when ``headless``), True, False, or ``LookupSettings`` (on, with these constants; ``prior`` unused). Returns a
+    fresh ``LookupPolicy`` or None (no lookup drafts); raises ValueError for any other option."""
     if not (option is None or isinstance(option, (bool, LookupSettings))):
         raise ValueError(f"mtp_lookup must be True, False, None (default: on with an MTP head) or LookupSettings; "
                          f"got {option!r}")

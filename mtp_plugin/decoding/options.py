@@ -14,14 +14,9 @@ from .single import DEFAULT_DEPTH, MAX_DEPTH
 
 @dataclass(frozen=True)
 class MTPOptions:
-    """What a generation asks of MTP.
-
-    Attributes:
-        enabled: decode with MTP (the head's drafts, or the context's where asked).
-        depth: a fixed draft depth 1..8, a depth policy (``decoding.DepthPolicy``), or None: automatic.
-        lookup: drafts from the context: None (on with a head, off without), True, False, or a
-            ``lookup.LookupSettings`` (on, with those constants).
-    """
+    """What a generation asks of MTP: ``enabled``; ``depth`` a fixed draft depth 1..8, a depth policy
+    (``single.DepthPolicy``) or None (automatic); ``lookup`` None (on with a head, off without), True, False or a
+    ``lookup.LookupSettings``."""
 
     enabled: bool = True
     depth: object = None
@@ -53,15 +48,10 @@ def resolve(enabled=None, depth=None, lookup=None) -> MTPOptions:
 
 
 def depth_policy(depth, loaded, sampled: bool = False):
-    """The loop's ``depth`` option for a requested depth: a fixed depth 1..8 or a policy object as given;
-    0 or None (automatic): the adaptive ``DepthController`` of ``loaded`` (a ``loader.LoadedHead``) for greedy or
-    ``sampled`` generations, created on first use starting at the tuned depth (else the default) and kept, so each
-    generation with this head starts from what the previous ones measured (one loaded model serving many requests).
-
-    Raises:
-        ValueError: ``depth`` is not an integer 0..8 (bool, str and float included), None, or an object with
-            ``next_depth()`` and ``observe()``.
-    """
+    """The loop's ``depth`` option: a fixed depth 1..8 or a policy (``next_depth()``, ``observe()``) as given; 0 or
+    None: the adaptive ``DepthController`` of ``loaded`` (a ``loading.loader.LoadedHead``; one for greedy, one for
+    ``sampled`` generations), made on first use at the tuned depth (else the default) and kept across generations.
+    Raises ValueError for any other ``depth`` (bool, str and float included)."""
     policy = hasattr(depth, "next_depth") and hasattr(depth, "observe")
     integer = isinstance(depth, numbers.Integral) and not isinstance(depth, bool)
     if not (depth is None or policy or (integer and 0 <= depth <= MAX_DEPTH)):

@@ -1,24 +1,6 @@
-"""Roll back caches that cannot be trimmed (GatedDeltaNet conv + recurrent state) after a verify pass.
-
-During a verify pass of S tokens, a runtime adapter's capture points (wired inside the runtime's
-GatedDeltaNet layer) report to the active ``Recorder``: the layer's cache keeps its whole conv
-input window (K-1+S rows instead of K-1), and the recurrence leaves what restores any prefix, in one of two ways:
-
-* **capture**: its state after each token (S states per layer);
-* **replay**: nothing per token. The recorder keeps the state before the pass and the update's inputs for the S
-  tokens; a commit to fewer than S tokens runs the runtime's own update once over the accepted prefix from that
-  state (the "replay" of vLLM's ReplaySSM, vllm#49887, and SGLang's #12892), rows of a batch with different
-  prefixes in one masked call (a masked step leaves a row's state as it was, as the runtime's own padding masks do).
-  A cycle that accepts everything costs nothing more than its verify pass.
-
-``Recorder.commit(keep)`` then sets every captured cache to its state after the first ``keep``
-tokens and trims every trimmable (KV) cache by ``S - keep``: no token is run through the trunk
-again, and the memory held is independent of context length.
-
-Which way a verify pass takes: ``mode()``, "auto" unless ``force`` or ``$MTP_PLUGIN_ROLLBACK`` (``capture`` /
-``replay``) says otherwise; in "auto" the runtime adapter captures where its runtime gives every token's state from
-one update call and replays where it cannot (``mtp_plugin.adapters.capture``: mlx-lm's fused Metal kernel).
-"""
+"""Roll back the caches a verify pass cannot trim (GatedDeltaNet conv and recurrent state) to the accepted prefix,
+by capture (each token's state) or replay (the runtime's update rerun from the state before the pass), as ``mode()``
+says. Design: docs/decoding.md#rollback."""
 
 from __future__ import annotations
 
@@ -38,12 +20,8 @@ _warned: set = set()
 
 
 def force(way: str | None) -> None:
-    """Make every later verify pass, on every thread, roll back by ``way`` (``"capture"``, ``"replay"``, ``"auto"``);
-    None: back to ``$MTP_PLUGIN_ROLLBACK`` or "auto" (the bench measures each way this way).
-
-    Raises:
-        ValueError: ``way`` not one of ``MODES`` or None.
-    """
+    """Make every later verify pass, on every thread, roll back by ``way`` (one of ``MODES``); None: back to
+    ``$MTP_PLUGIN_ROLLBACK`` or "auto". Raises ValueError for any other ``way``."""
     global _forced
     if way is not None and way not in MODES:
         raise ValueError(f"rollback way must be one of {', '.join(MODES)}, got {way!r}")
@@ -70,12 +48,9 @@ class RollbackError(RuntimeError):
 
 @dataclass
 class LayerRecord:
-    """One captured linear-attention cache: conv window width ``window`` (K-1), its K-1+S conv input rows, and either
-    the per-token states (capture) or the state after the pass and its replay (replay).
-
-    ``replay(length, rows)``: the recurrent state after the first ``length`` verified tokens, from the state before the
-    pass, in one update call; ``rows`` (B, length) bool, or None for every row: the tokens each row takes (a row's state
-    stays where its mask is False)."""
+    """One captured linear-attention cache: conv window width ``window`` (K-1), its K-1+S conv input ``rows``, and
+    either the per-token ``states`` (capture) or ``final`` and ``replay(length, rows)`` (replay: the state after the
+    first ``length`` tokens in one update call; ``rows`` (B, length) bool selects each row's tokens, None: all)."""
 
     cache: object
     window: int
@@ -92,9 +67,7 @@ class LayerRecord:
 
 
 class Recorder:
-    """Collects, for one verify pass of ``tokens`` tokens, what each non-trimmable cache needs to roll back.
-
-    ``way``: "capture", "replay" or "auto" (``mode()`` when None), read by the capture points."""
+    """What each non-trimmable cache needs to roll back a verify pass of ``tokens`` tokens; ``way`` None: ``mode()``."""
 
     def __init__(self, tokens: int, way: str | None = None):
         self.tokens = self.kept = tokens
@@ -123,20 +96,10 @@ class Recorder:
             self.current.final, self.current.replay = final, replay
 
     def commit_rows(self, caches: list, keep: list[int]) -> None:
-        """Set row b of every batched cache to its state after its first ``keep[b]`` verified tokens.
-
-        Captured caches gather each row's conv window and recurrent state (replayed: one masked update over the longest
-        kept prefix, nothing when every row keeps all S tokens); a KV cache is trimmed by what no
-        row keeps, then each row is shifted right by what it drops beyond that, which becomes left padding
-        (the cache's own ``prepare(right_padding=…)`` / ``finalize()``, as the runtime pads batched prompts).
-
-        Args:
-            caches: the trunk's batched caches (B rows each).
-            keep: per row, 1 ≤ keep[b] ≤ S.
-
-        Raises:
-            RollbackError: a cache that was neither captured nor can be trimmed per row.
-        """
+        """Set row b of every batched cache to its state after its first ``keep[b]`` (1..S) verified tokens:
+        captured caches gather each row's window and state (replay: one masked update); a KV cache is trimmed by what no
+        row keeps, and what a row drops beyond that becomes its left padding (``prepare(right_padding=…)``,
+        ``finalize()``). Raises RollbackError for a cache neither captured nor trimmable per row."""
         import mlx.core as mx
 
         rows, most = mx.arange(len(keep)), max(keep)
@@ -162,13 +125,8 @@ class Recorder:
         self.kept = most
 
     def commit(self, caches: list, keep: int) -> None:
-        """Set every cache to its state after the first ``keep`` (1 ≤ keep ≤ S) verified tokens.
-
-        May be called again with a smaller ``keep`` (generation stopped inside the accepted block).
-
-        Raises:
-            RollbackError: a cache that was neither captured nor is trimmable.
-        """
+        """Set every cache to its state after the first ``keep`` (1..S) verified tokens; may be called again with
+        a smaller ``keep``. Raises RollbackError for a cache neither captured nor trimmable."""
         drop, self.kept = self.kept - keep, keep
         for cache in caches:
             record = self.layers.get(id(cache))
@@ -182,8 +140,8 @@ class Recorder:
 
 
     def missed(self, caches: list) -> bool:
-        """Whether a cache that cannot be trimmed was not captured (the capture points were removed, e.g. by
-        ``mtp_plugin.unpatch()`` on another thread, before or during the pass): ``commit`` would raise."""
+        """Whether a non-trimmable cache was not captured (capture points removed before or during the pass, e.g.
+        by ``mtp_plugin.unpatch()`` on another thread): ``commit`` would raise."""
         return any(id(c) not in self.layers and not c.is_trimmable() for c in caches)
 
 
@@ -195,8 +153,8 @@ def _copy(state):
 
 
 def snapshot(caches: list):
-    """Remember ``caches`` before a pass; the returned ``undo(tokens)`` puts them back as they were: every
-    cache that cannot be trimmed gets its remembered state again, every other one is trimmed by ``tokens``."""
+    """Remember ``caches`` before a pass; ``undo(tokens)`` restores the non-trimmable ones and trims the others by
+    ``tokens``."""
     saved = [(c, _copy(c.state)) for c in caches if not c.is_trimmable()]
 
     def undo(tokens: int) -> None:

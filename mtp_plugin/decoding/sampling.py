@@ -1,12 +1,6 @@
-"""Sampled tokens that do not depend on the drafts: Gumbel-max draws keyed by position.
-
-Generated token j is ``argmax(filters(logprobs) / temp + G_j)``, an exact sample of the sampling distribution, with
-Gumbel noise G_j (V,) drawn from key j of MLX's global key sequence as it stood when the generation started (the
-key mlx-lm's j-th draw takes: each draw splits the state into the next state and the draw's key). A draft for token
-j takes the same G_j over the head's log-probs (a Gumbel-max coupling) and is accepted iff the two agree. So the
-tokens are a function of the seed and the trunk alone: whatever the loop drafts, at whatever depth, from whatever
-head state, a seed gives the same tokens (a verify pass and a plain step may still round a logit differently).
-"""
+"""Sampled tokens that do not depend on the drafts: token j is ``argmax(filters(logprobs) / temp + G_j)``, Gumbel
+noise G_j (V,) from key j of MLX's key sequence as it stood when the generation started (the key mlx-lm's j-th draw
+takes); a draft for token j shares G_j (a Gumbel-max coupling). Design: docs/decoding.md#sampling."""
 
 from __future__ import annotations
 
@@ -14,12 +8,8 @@ import mlx.core as mx
 
 
 class GumbelDraws:
-    """One generation's position-keyed draws (``decoding.Sampling.keyed``).
-
-    Args:
-        temp: temperature > 0.
-        filters: functions log-probs (…, V) → filtered log-probs (-inf where excluded), in the sampler's order.
-    """
+    """One generation's position-keyed draws (``single.Sampling.keyed``); ``filters``: log-probs (…, V) →
+    filtered log-probs (-inf where excluded), in the sampler's order."""
 
     def __init__(self, temp: float, filters: tuple = ()):
         self.temp, self.filters = temp, filters

@@ -1,10 +1,6 @@
-"""The scheduler: what each row of a verify pass drafts this cycle, decided for the whole pass.
-
-A row drafts from the head (``Decision.head``), from its context (``Decision.from_lookup``) or not at all (a plain
-step). One stream is a pass of one row; a server batch decides all its rows together (``plan``). Costs are in
-plain steps of the pass's batch size (``CostModel``); acceptance is the chain model of Leviathan et al. 2023, §3.1
-(``Chain``). The rules and their reasons: docs/scheduling.md.
-"""
+"""The scheduler: what each row of a verify pass drafts this cycle (head drafts, a lookup draft or a plain step),
+decided for the whole pass (``plan``). Costs are in plain steps of the pass's batch size (``CostModel``); acceptance
+is the chain model of Leviathan et al. 2023, §3.1 (``Chain``). Design: docs/scheduling.md."""
 
 from __future__ import annotations
 
@@ -37,7 +33,7 @@ class Decision:
 
     @property
     def depth(self) -> int:
-        """The head's draft steps for the row (0 for a lookup or plain step)."""
+        """The head's draft steps (0 for a lookup or plain step)."""
         return 0 if self.lookup else self.drafts
 
 
@@ -45,13 +41,9 @@ PLAIN_STEP = Decision()
 
 
 class Chain:
-    """Decayed acceptance of drafts by position: p_k = P(draft k accepted | drafts 1..k-1 accepted), each shrunk
-    towards p_(k-1) by ``weight`` pseudo-cycles (p_1 towards ``first``); counts halve every ``half_life`` tokens
-    (``fade``).
-
-    Raises:
-        ValueError: ``length`` < 1, ``half_life`` ≤ 0, ``first`` outside (0, 1) or a negative ``weight``.
-    """
+    """Decayed acceptance by draft position: p_k = P(draft k accepted | drafts 1..k-1 accepted), shrunk towards
+    p_(k-1) by ``weight`` pseudo-cycles (p_1 towards ``first``); counts halve every ``half_life`` committed tokens.
+    Raises ValueError for ``length`` < 1, ``half_life`` ≤ 0, ``first`` outside (0, 1) or ``weight`` < 0."""
 
     def __init__(self, length: int, first: float = 0.5, weight: float = 2.0, half_life: float = 256.0):
         if length < 1 or half_life <= 0 or not 0 < first < 1 or weight < 0:
@@ -84,12 +76,9 @@ class Chain:
 
 
 class CostModel:
-    """c(k): the cost of a verify pass k positions wide, in plain steps of one batch-size class (c(1) = 1).
-
-    Measured: the median seconds of a width's last ``window`` passes over the median of plain steps'; a width not
-    measured lies on the least-squares line through the measured ones (slope ≥ 0). The prior, used alone where a
-    decision may not depend on clocks or before two widths are measured: 1 + ``slope``·(k − 1) (``static_slope``).
-    """
+    """c(k): the cost of a verify pass k positions wide, in plain steps of one batch-size class (c(1) = 1): a width's
+    median seconds (last ``window`` passes) over plain steps' median, unmeasured widths on the least-squares line (slope
+    ≥ 0); the prior 1 + ``slope``·(k − 1) alone with ``measured=False`` or before two widths are measured."""
 
     def __init__(self, slope: float, window: int = 32):
         self.slope = slope
@@ -121,9 +110,8 @@ class CostModel:
 
 
 def static_slope(model) -> float:
-    """The prior cost of each position a verify pass adds, in plain steps, for ``model`` on MLX's default device: 0.1
-    on a GPU or Apple silicon; on a CPU, whose passes are compute-bound, 0.3 for 16-bit weights and 1.0 for float32
-    and quantized weights (docs/scheduling.md has the measurements)."""
+    """The prior cost of each position a verify pass adds, in plain steps, for ``model`` on MLX's default device:
+    0.1 off the CPU; on a CPU, 0.3 for mostly 16-bit weights, else 1.0 (float32, quantized). See docs/scheduling.md."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -135,7 +123,7 @@ def static_slope(model) -> float:
 
 
 class CostTable:
-    """A model's cost models, one per batch-size class (1, 2-3, 4-7, …: ``rows.bit_length()``)."""
+    """A model's cost models, one per batch-size class (``rows.bit_length()``: 1, 2-3, 4-7, …)."""
 
     def __init__(self, slope: float):
         self.slope, self.classes = slope, {}
@@ -158,15 +146,9 @@ def costs_of(model) -> CostTable:
 
 @dataclass
 class Ask:
-    """One row's question for a cycle.
-
-    Attributes:
-        depth: the head's draft depth for the row (its depth policy's or its request's; 0: none).
-        head: [E(0), …, E(depth)] of the head's drafts (``Chain.expected``).
-        proposal: the row's lookup proposal, cut to what it may still emit (empty: none).
-        match: the length of the match that proposed it.
-        lookup: [E(0), …, E(len(proposal))] of the proposal.
-    """
+    """One row's question for a cycle: the head's draft ``depth`` (0: none) and ``head`` = [E(0), …, E(depth)] of its
+    drafts; the lookup ``proposal`` cut to what the row may still emit (empty: none), its ``match`` length and
+    ``lookup`` = [E(0), …, E(len(proposal))]."""
 
     depth: int = 0
     head: list[float] | None = None
@@ -184,18 +166,10 @@ class Ask:
 
 
 def plan(asks: list[Ask], cost, slack: float = SLACK) -> list[Decision]:
-    """Every row's decision for one verify pass.
-
-    The pass is at least as wide as the widest head depth asks (W0). A wider pass, W, serves lookup drafts; it is
-    taken when it gives the batch more expected tokens per unit of its cost, Σ E_i(W) / c(W), than any narrower one,
-    and no row's rate falls below its floor: (1 − ``slack``) × min(1, E_i(W0) / c(W0)), a plain step being 1 token
-    per unit. Within W each row takes its lookup draft when that is expected to give more than its head's.
-
-    Args:
-        asks: one per row (B ≥ 1).
-        cost: ``cost(width) -> float``, c(1) = 1 (``CostModel``).
-        slack: the share of its floor a row may lose to noise in the cost estimates.
-    """
+    """Every row's decision for one verify pass (``asks``: one per row, B ≥ 1; ``cost(width)`` with c(1) = 1). The
+    pass is at least W0 = (widest head depth asked) + 1 wide. A wider pass W, for lookup drafts, is taken when it
+    maximises Σ E_i(W) / c(W) and no row's rate falls below its floor (1 − ``slack``) × min(1, E_i(W0) / c(W0)); within
+    W a row takes its lookup draft when it expects more than from its head's. Rule: docs/scheduling.md."""
     base = max(a.depth for a in asks) + 1
     widest = max([base] + [len(a.proposal) + 1 for a in asks])
     costs = {width: cost(width) for width in range(base, widest + 1)}
@@ -223,24 +197,22 @@ def pricing(model: CostModel, measured: bool, lookups) -> Callable[[int], float]
 
 
 class RowState:
-    """What the scheduler keeps of one row (a stream, or a request in a batch) between cycles: the acceptance of its
-    head drafts (``Chain``) and its lookup drafts (``lookup.LookupPolicy``, or None)."""
+    """One row's state between cycles: its head drafts' ``Chain`` and its ``lookup.LookupPolicy`` (or None)."""
 
     def __init__(self, lookup=None, max_depth: int = 8):
         self.lookup, self.head = lookup, Chain(max_depth)
 
     def ask(self, depth: int, room: int | None, behind: bool = False) -> Ask:
-        """The row's question: the head at ``depth`` (0: none), and its lookup draft of at most ``room`` tokens
-        (None: no limit; ``behind`` as for ``lookup.ContextIndex.propose``)."""
+        """The row's question: the head at ``depth`` (0: none) and its lookup draft of at most ``room`` tokens (None: no
+        limit; ``behind`` as for ``lookup.ContextIndex.propose``)."""
         ask = Ask(depth, self.head.expected(depth))
         if self.lookup is not None and (room is None or room > 0):
             ask.proposal, ask.match, ask.lookup = self.lookup.propose(room, behind)
         return ask
 
     def observe(self, drafts: int, match: int, accepted: int) -> None:
-        """A cycle verified ``drafts`` drafts, from the context when ``match`` (its match length) is not 0, else from
-        the head (0 drafts: a plain step), and accepted ``accepted`` of them; every estimate fades by the tokens it
-        committed."""
+        """A cycle verified ``drafts`` drafts (0: plain step), from the context if ``match`` (else the head), and
+        accepted ``accepted``; every estimate fades by the tokens committed."""
         self.head.fade(accepted + 1)
         if self.lookup is not None:
             self.lookup.fade(accepted + 1)

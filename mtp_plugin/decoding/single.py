@@ -1,14 +1,6 @@
-"""The MTP decoding loop of one generation: draft, verify in one trunk pass, accept, commit (roll back the rest).
-
-Greedy output is the trunk's own, token for token. Sampled output has the trunk's distribution after the runtime's
-logits processors and sampler filters: position-keyed draws that the drafts share (``Sampling.keyed``: a seed fixes
-the tokens whatever is drafted), or exact speculative sampling (Leviathan et al. 2023, "Fast Inference from
-Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023). What each cycle drafts (the
-head at a depth, the context, or a plain step) is the scheduler's decision (``scheduler.plan``); a head whose output
-is not finite, or that accepts almost nothing, is parked (``health.HeadHealth``). One host synchronisation per cycle
-(per position with logits processors: ``Walk``), and each block's successor is queued before the block is yielded,
-as in mlx-lm's own loop. How and why: docs/decoding.md.
-"""
+"""The MTP decoding loop of one generation: draft, verify in one trunk pass, accept, roll back the rest. Greedy
+output is the trunk's own; sampled output has its distribution (position-keyed draws, or exact speculative sampling:
+Leviathan et al. 2023, Algorithm 1). Design: docs/decoding.md."""
 
 from __future__ import annotations
 
@@ -49,33 +41,24 @@ class Trunk(Protocol):
         """Input embeddings (…, H) of integer ``tokens`` (…)."""
 
     def head_inputs(self, tokens: mx.array, start: int) -> tuple[mx.array, mx.array | None]:
-        """The head's inputs with the pairs (h[start+i], x[start+i+1]) of tokens x (S,), positions counted from
-        the prompt's first token: embeddings (1, S, H) and the positions its layer takes (None: its cache
-        offset)."""
+        """Head inputs for the pairs (h[start+i], x[start+i+1]) of tokens (S,), positions counted from the
+        prompt's first token: embeddings (1, S, H) and the positions its layer takes (None: its cache offset)."""
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Vocabulary logits (…, V) of head outputs (…, H) (the head applies its own final norm)."""
 
     def trunk_logits(self, hidden: mx.array) -> mx.array:
-        """The trunk's own vocabulary logits (…, V) from hidden states (…, H) as ``hidden`` returned them
-        (a ``pre_norm`` contract applies the trunk's final norm first)."""
+        """The trunk's own logits (…, V) from ``hidden``'s output (…, H) (``pre_norm``: final norm first)."""
 
 
 @dataclass(frozen=True)
 class Sampling:
     """Temperature sampling exactly as the runtime's sampler does it.
 
-    Attributes:
-        temp: temperature > 0.
-        filters: functions log-probs (…, V) → filtered log-probs (-inf where excluded), in the
-            runtime sampler's order (e.g. mlx-lm's ``apply_top_p``, ``apply_min_p``, ``apply_top_k``).
-        keyed: draws keyed by each token's position (mlx-vlm's seeded sampler, or ``coupling.GumbelDraws``):
-            ``keyed(logprobs (k, V), first) -> tokens (k,)`` for the generated
-            tokens ``first .. first+k-1`` (0: the first token after the prompt). The loop then draws every
-            emitted token with it and accepts a draft iff it equals that token (``accept_matching``), so a
-            seed gives the runtime's own tokens at any depth; None: exact speculative sampling.
-        coupled: the drafts draw with ``keyed`` too, each at the position it would take (``coupling.GumbelDraws``);
-            False: with ``keyed``, the head's argmax.
+    ``filters``: log-probs (…, V) → filtered log-probs (-inf where excluded), in the runtime sampler's order. ``keyed``:
+    ``keyed(logprobs (k, V), first) -> tokens (k,)``, draws keyed by generated-token position (0: the first after the
+    prompt): every emitted token is drawn with it and a draft accepted iff equal; None: exact speculative sampling.
+    ``coupled``: the drafts draw with ``keyed`` too (``sampling.GumbelDraws``); False: the head's argmax.
     """
 
     temp: float
@@ -84,8 +67,7 @@ class Sampling:
     coupled: bool = False
 
     def with_coupling(self) -> Sampling:
-        """This distribution drawn by position-keyed Gumbel-max draws (``coupling.GumbelDraws``) that the drafts
-        share: the tokens depend on the seed and the trunk only."""
+        """This distribution by ``sampling.GumbelDraws`` shared with the drafts (tokens: seed and trunk only)."""
         return dataclasses.replace(self, keyed=GumbelDraws(self.temp, self.filters), coupled=True)
 
     def probs(self, logprobs: mx.array) -> mx.array:
@@ -100,53 +82,24 @@ def _categorical(probs: mx.array) -> mx.array:
 
 
 def accept_greedy(logprobs: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
-    """Greedy acceptance.
-
-    Args:
-        logprobs: trunk log-probs (D+1, V) at the verified positions.
-        drafts: draft tokens (D,).
-
-    Returns:
-        ``(accepted, block)``: scalar count a of leading drafts equal to the trunk's argmax, and the
-        (D+1,) trunk argmax tokens, of which the first a+1 are emitted.
-    """
+    """Greedy acceptance of drafts (D,) against trunk log-probs (D+1, V): ``(accepted, block)``, the scalar count a
+    of leading drafts equal to the argmax and the (D+1,) argmax tokens, whose first a+1 are emitted."""
     return accept_matching(mx.argmax(logprobs, axis=-1), drafts)
 
 
 def accept_matching(targets: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
-    """Acceptance against tokens already chosen at the verified positions: the trunk's argmax (greedy), or the
-    runtime's own position-keyed samples (``Sampling.keyed``). Exact for sampling because each target token is
-    drawn from the trunk's distribution whatever the drafts are (a coupling: the drafts only decide how many
-    of them one verify pass confirms).
-
-    Args:
-        targets: (D+1,) tokens at the verified positions.
-        drafts: draft tokens (D,).
-
-    Returns:
-        ``(accepted, targets)``: scalar count a of leading drafts equal to their target; the first a+1 targets
-        are emitted.
-    """
+    """Acceptance of drafts (D,) against tokens (D+1,) already chosen at the verified positions (argmax, or
+    ``Sampling.keyed`` draws: exact, since they do not depend on the drafts); returns as ``accept_greedy``."""
     accepted = mx.cumprod(targets[:-1] == drafts).sum()
     return accepted, targets
 
 
 def accept_sampled(p: mx.array, q: mx.array, drafts: mx.array,
                    finite: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """Exact speculative sampling (Leviathan et al. 2023, Algorithm 1).
-
-    Args:
-        p: trunk sampling distribution (D+1, V) at the verified positions.
-        q: head sampling distribution (D, V) each draft was drawn from.
-        drafts: draft tokens (D,).
-        finite: scalar bool, False when the head's output was not finite: every draft is then rejected
-            and q counts as 0, so the token sampled in place of the first draft comes from p itself.
-
-    Returns:
-        ``(accepted, block)``: scalar count a of accepted drafts and (D+1,) tokens whose first a+1
-        are emitted: the drafts, then a residual sample max(p − q, 0) at the first rejection, or a
-        bonus sample from p[D] when every draft is accepted.
-    """
+    """Exact speculative sampling (Leviathan et al. 2023, Algorithm 1) of drafts (D,) drawn from q (D, V)
+    against p (D+1, V); ``finite`` False (head output not finite) rejects every draft, q taken as 0. Returns
+    ``(accepted, block)``: the count a and (D+1,) tokens whose first a+1 are emitted: the drafts, then a sample of
+    the residual norm(max(p − q, 0)) at the first rejection, or a bonus sample from p[D]."""
     ok, q = _draft_test(p[:-1], q, drafts, finite)
     accepted = mx.cumprod(ok).sum()
     fallback = _categorical(mx.concatenate([_residual(p[:-1], q), p[-1:]], axis=0))
@@ -157,26 +110,14 @@ def accept_sampled(p: mx.array, q: mx.array, drafts: mx.array,
 
 def accept_sampled_position(p: mx.array, q: mx.array, draft: mx.array,
                             finite: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """One position of exact speculative sampling (Leviathan et al. 2023, Algorithm 1, one step), for a verify
-    pass read position by position (``Walk``): the same test and residual as ``accept_sampled``.
-
-    Args:
-        p: trunk sampling distribution (1, V) at the position.
-        q: head distribution (1, V) the draft was drawn from.
-        draft: the draft token (1,) that follows the position.
-        finite: as for ``accept_sampled``.
-
-    Returns:
-        ``(ok, token)``: scalar bool, the draft accepted; token (1,): the draft, or a sample of the residual
-        max(p − q, 0).
-    """
+    """One position of ``accept_sampled`` (p, q (1, V), draft (1,)) for a pass read position by position
+    (``Walk``): ``(ok, token)``, a scalar bool and (1,) the draft or a sample of the residual."""
     ok, q = _draft_test(p, q, draft, finite)
     return ok[0], mx.where(ok, draft, _categorical(_residual(p, q)))
 
 
 def _draft_test(p: mx.array, q: mx.array, drafts: mx.array, finite: mx.array | None) -> tuple[mx.array, mx.array]:
-    """Per draft (D,), whether it passes u·q(d) < p(d) (u uniform; False for a head output that is not finite), and
-    q with a non-finite head's rows zeroed (so NaN never reaches the test or the residual). p, q: (D, V)."""
+    """Per draft (D,): u·q(d) < p(d), u uniform (False where not finite); and q with non-finite rows zeroed."""
     rows = mx.arange(drafts.shape[0])
     if finite is not None:
         q = mx.where(finite, q, 0.0)
@@ -194,14 +135,8 @@ NONFINITE = -1  # the accepted count read back for a cycle whose head output was
 
 
 def reject_nonfinite(accepted: mx.array, finite: mx.array) -> mx.array:
-    """The cycle's outcome as one scalar the loop reads in its one host sync: the accepted count, or
-    ``NONFINITE`` when the head's output was not finite (NaN/Inf weights or activations).
-
-    Args:
-        accepted: scalar int count from ``accept_greedy`` / ``accept_sampled`` (0 when not finite: those
-            functions must be given ``finite`` or see drafts that fail the test).
-        finite: scalar bool from ``Drafter.draft``.
-    """
+    """The cycle's outcome as one scalar for the host sync: ``accepted``, or ``NONFINITE`` where ``finite`` (from
+    ``Drafter.draft``) is False; ``accepted`` must be 0 then (the accept test was given ``finite``)."""
     return mx.where(finite, accepted, NONFINITE)
 
 
@@ -221,27 +156,10 @@ def processed_logprobs(logits: mx.array, inputs: mx.array, past: mx.array | None
 
 
 class Walk:
-    """A verify pass read one position at a time, so that logits processors see exactly what they see in plain
-    decoding.
-
-    Plain decoding calls the processors once per token it feeds the trunk, with every token up to that one (mlx-lm's
-    ``generate_step``, its batched ``GenerationBatch`` and mlx-vlm's ``generate_step``). A verify pass feeds
-    ``[last, d1 … dD]``; position j's call sees ``history + inputs[:j+1]``, a sequence plain decoding produces only
-    when d1 … dj are all accepted, which depends on the processed log-probs of positions 0 … j-1. So position j is
-    processed (``process``) only after ``read`` has shown draft j accepted, and only when the caller needs it: for
-    the token at position j, or as the call for draft j itself once it is emitted (plain decoding makes the call for
-    a token before yielding it, by queueing the step after it). A rejected draft never reaches a processor, nor does
-    any position after the generation's end. One host read per processed position (only with processors).
-
-    Args:
-        logits: the trunk's logits (S, V) at the verified positions.
-        inputs: the verified inputs (S,): the newest token, then S - 1 drafts.
-        history: the tokens (N,) the processors have seen before ``inputs``.
-        processors: mlx-lm style ``processor(tokens, logits) -> logits``.
-        sampling: None for greedy, else the ``Sampling``.
-        q: the head's distributions (S - 1, V) the drafts were drawn from (exact sampling), else None.
-        finite: scalar bool, False when the head's output was not finite (every draft rejected).
-        first: the index of position 0's token among the generated tokens (``Sampling.keyed``).
+    """A verify pass read one position at a time, so logits processors see exactly the calls plain decoding makes:
+    position j (seeing ``history + inputs[:j+1]``) is processed only after ``read`` showed draft j accepted, one host
+    read per position. ``inputs`` (S,): the newest token, then S - 1 drafts; ``q`` (S - 1, V): the head's distributions
+    (exact sampling), else None; ``first``: position 0's index among the generated tokens (``Sampling.keyed``).
     """
 
     def __init__(self, logits: mx.array, inputs: mx.array, history: mx.array, processors, sampling: Sampling | None,
@@ -254,8 +172,7 @@ class Walk:
         self.finite_read = True  # the head's output was finite, as the latest ``read`` showed
 
     def process(self) -> mx.array:
-        """Call the processors at the next position j and queue its token and whether draft j+1 is accepted;
-        the outcome (3,) (evaluated asynchronously)."""
+        """Call the processors at the next position and queue its token and acceptance; the outcome (3,) int32."""
         j = len(self.logprobs)
         seen = mx.concatenate([self.history, self.inputs[: j + 1]])
         row = self.logits[j : j + 1]
@@ -281,21 +198,16 @@ class Walk:
         return outcome
 
     def read(self) -> tuple[int, bool]:
-        """``(token, accepted)`` of the latest processed position: its token id, and whether it equals the draft
-        that follows it (that draft is accepted; False at the last position). One host read; it sets ``finite_read``."""
+        """``(token, accepted)`` of the latest processed position (one host read; sets ``finite_read``)."""
         token, ok, finite = self.outcomes[-1].tolist()
         self.finite_read = bool(finite)
         return token, bool(ok)
 
 
 class DepthPolicy(Protocol):
-    """Chooses each cycle's draft depth (``controller.DepthController``, ``controller.FixedDepth``).
-
-    The loop asks once per cycle and reports every cycle it ran, both in order; the question for a cycle
-    may come before the previous cycle is reported (each block's successor is queued before the block is
-    yielded), and the last question of a generation goes unreported when the consumer stops before its
-    cycle's tokens (that queued cycle is discarded).
-    """
+    """Chooses each cycle's draft depth (``controller.DepthController``, ``controller.FixedDepth``). Asked once
+    per cycle and told of every cycle run, in order; a question may come before the previous cycle is reported, and a
+    generation's last question goes unreported when the consumer stops before that cycle's tokens."""
 
     def next_depth(self) -> int:
         """Draft depth of the next cycle, 1..8, or 0 (``controller.PLAIN``) for one plain decoding step."""
@@ -313,7 +225,7 @@ class Block(enum.Enum):
 
 
 class _Stopwatch:
-    """Seconds spent inside the loop, the consumer's time between yields excluded."""
+    """Seconds spent inside the loop, excluding the consumer's time between yields."""
 
     def __init__(self):
         self.mark, self.busy = time.perf_counter(), 0.0
@@ -333,11 +245,7 @@ class _Stopwatch:
 
 @dataclass
 class _Cycle:
-    """One queued cycle: its drafts, verify pass and acceptance (read once computed).
-
-    With logits processors the acceptance is read position by position (``walk``): ``accepted`` is then None,
-    ``logprobs`` the walk's list of processed positions, and ``tokens`` is set once the walk has read the block.
-    """
+    """One queued cycle; with processors (``walk``) ``accepted`` is None and ``tokens`` set once the walk read them."""
 
     depth: int
     inputs: mx.array  # (d+1,): the newest token, then the drafts
@@ -351,11 +259,7 @@ class _Cycle:
 
 
 class _Loop:
-    """The state one generation's cycles change, and the steps that change it.
-
-    ``last`` is the newest token (1,), which the next plain step or cycle feeds to the trunk first;
-    ``history`` the tokens the logits processors have seen (None without processors).
-    """
+    """One generation's state: ``last`` (1,), fed first by the next pass; ``history``, what the processors saw."""
 
     def __init__(self, trunk, cache, drafter, sampling, processors, history, cache_step=None):
         self.trunk, self.cache, self.drafter = trunk, cache, drafter
@@ -366,8 +270,7 @@ class _Loop:
         self.position = 0  # generated tokens drawn for good so far: the next one's position (``Sampling.keyed``)
 
     def after_pass(self) -> int | None:
-        """Run the runtime's cache step on the committed cache (e.g. KV quantization); the most tokens the
-        next trunk pass may feed (None: no limit)."""
+        """Run the runtime's cache step on the committed cache; the most tokens the next pass may feed."""
         return None if self.cache_step is None else self.cache_step(self.cache)
 
     def logprobs_at(self, logits: mx.array, inputs: mx.array, past: mx.array | None) -> mx.array:
@@ -375,8 +278,7 @@ class _Loop:
         return processed_logprobs(logits, inputs, past, self.processors)
 
     def pick(self, logprobs: mx.array) -> mx.array:
-        """The next token (1,) from log-probs (1, V): argmax, the runtime's keyed draw, or a sample of the
-        sampling distribution."""
+        """The next token (1,) from log-probs (1, V): argmax, the keyed draw, or a sample."""
         if self.sampling is None:
             return mx.argmax(logprobs, axis=-1)
         self.position += 1
@@ -401,28 +303,19 @@ class _Loop:
         self.last = following
 
     def launch(self, depth: int) -> _Cycle | None:
-        """Queue a cycle at ``depth``: draft, verify ``[last, drafts…]`` in one trunk pass, accept.
-
-        None, with every cache as it was, when the runtime's capture points were gone during the pass
-        (``mtp_plugin.unpatch()`` on another thread): the cycle could not be rolled back; from then on
-        the generation goes on in plain steps (``uncaptured``)."""
+        """Queue a cycle at ``depth``: draft, verify ``[last, drafts…]``, accept. None, caches untouched, when the
+        capture points were removed during the pass (``unpatch()`` on another thread): plain steps from then on."""
         drafts, q, finite = self.drafter.draft(depth, self.position)
         mx.async_eval(drafts)  # the head runs while the verify pass is built
         return self.verify(drafts, q, finite)
 
     def launch_lookup(self, drafts: list[int], match: int) -> _Cycle | None:
-        """Queue a cycle verifying lookup ``drafts`` (token ids from ``lookup.ContextIndex``, found by a match of
-        ``match`` tokens), a point-mass proposal: when sampling, q is one-hot at each draft, so exact speculative
-        sampling accepts draft d with probability p(d) and its residual is p without d, renormalised. The head does
-        not run (its kept pairs are fed first if they would overflow its window: ``Drafter.catch_up``); None as for
-        ``launch``."""
+        """Queue a cycle verifying lookup ``drafts`` without the head (point-mass q when sampling); as ``launch``."""
         self.drafter.catch_up(len(drafts) + 1)
         return self.verify(mx.array(drafts, dtype=self.last.dtype), None, mx.array(True), match)
 
     def verify(self, drafts: mx.array, q: mx.array | None, finite: mx.array, match: int = 0) -> _Cycle | None:
-        """Queue the verify pass of ``[last, drafts…]`` (drafts (D,); q (D, V) the head's distributions when sampling,
-        None for a point-mass proposal or greedy; ``finite`` scalar bool) and its acceptance; ``match`` as
-        ``_Cycle.match``. None as for ``launch``."""
+        """Queue the verify pass of ``[last, drafts…]`` and its acceptance (q None: greedy or a point mass)."""
         depth = drafts.size
         inputs = mx.concatenate([self.last, drafts])
         undo = rollback.snapshot(self.cache)
@@ -453,8 +346,7 @@ class _Loop:
         return _Cycle(depth, inputs, hidden, logprobs, accepted, tokens, recorder, match=match)
 
     def commit(self, cycle: _Cycle, accepted: int) -> None:
-        """Keep the verified prefix: caches rolled back to ``inputs[:accepted+1]``, the head given the
-        accepted pairs, ``last`` the cycle's correction or bonus token."""
+        """Keep ``inputs[:accepted+1]``: caches rolled back, the head given those pairs, ``last`` the next token."""
         cycle.recorder.commit(self.cache, accepted + 1)
         self.position += accepted + 1
         if cycle.match:  # the head drafted nothing: its cache has no draft rows to drop
@@ -466,9 +358,7 @@ class _Loop:
         self.last = cycle.tokens[accepted : accepted + 1]
 
     def feed_last(self) -> list[mx.array]:
-        """Feed ``last`` to the trunk (its cache then holds every yielded token, as plain decoding leaves it); with
-        processors, also their call for it (plain decoding computes the step after the last token it yields). The
-        arrays to evaluate with the cache."""
+        """Feed ``last`` to the trunk, plus the processors' call for it; the arrays to evaluate with the cache."""
         hidden = self.trunk.hidden(self.last[None], self.cache)
         if not self.processors:
             return []
@@ -498,66 +388,33 @@ def generate(
     lookup: LookupPolicy | None = None,
     costs: CostModel | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
-    """Generate tokens with the head as drafter and the trunk as verifier (mlx-lm ``generate_step`` contract).
+    """Generate tokens with the head drafting and the trunk verifying (mlx-lm ``generate_step`` contract).
 
-    Each cycle runs at the depth the policy chooses; depth 0 is a plain decoding step (the trunk on the
-    last token, no drafting). Consecutive plain steps are pipelined as in mlx-lm (the next step is queued
-    before the current token is yielded). The head is not run during plain steps: the trunk hidden states
-    of those tokens are kept and fed to the head in one batch when drafting resumes, so its cache holds the
-    same pairs (h[i], x[i+1]) as if it had drafted all along (after a park longer than
-    ``drafter.HISTORY_WINDOW`` tokens, only the last that many: its history skips the rest).
+    Yields ``(token, logprobs)``: the token id and the trunk's log-probs (V,) at its position. A policy's depth 0 is one
+    plain step, pipelined as mlx-lm's.
 
     Args:
-        prompt: prompt token ids (T,), T ≥ 1.
-        trunk: the trunk's hidden/embed/logits functions.
-        head: the loaded MTP head module, or None for a model without one (then only ``lookup`` drafts).
-        cache: the trunk's per-layer caches (updated in place; after the generator ends or is closed
-            it holds the prompt and every yielded token, as plain decoding leaves it).
+        head: the MTP head, or None (lookup drafts only).
+        cache: the trunk's per-layer caches, updated in place; once the generator ends or is closed they hold the
+            prompt and every yielded token, as plain decoding leaves them.
         head_cache: an empty trimmable KV cache for the head (None without a head).
-        depth: a fixed draft depth d, 1 ≤ d ≤ 8, or a policy choosing it per cycle (adaptive depth).
-        max_tokens: tokens to generate (-1: no limit).
-        sampling: None for greedy, else the runtime sampler's temperature and filters.
-        logits_processors: mlx-lm style ``processor(tokens, logits) -> logits``, called as plain decoding calls
-            them (``Walk``).
-        prefill_step_size: prompt tokens per trunk pass while prefilling.
-        prompt_progress_callback: ``callback(processed, total)`` during prefill.
-        prefill_history: whether logits processors see the whole prompt (mlx-lm ≥ 0.32) or only the
-            tokens after the chunked prefill, i.e. the last prompt token (earlier mlx-lm).
-        one_pass: the prompt is fed in one trunk pass, as mlx-vlm 0.6 runs a prompt no longer than its prefill
-            step; otherwise all but the last token (in chunks of ``prefill_step_size``), then the last, as mlx-lm
-            and mlx-vlm 0.7 do. A runtime's multi-token and single-token passes may round differently (mlx-vlm
-            0.6's GatedDeltaNet scans a multi-token pass in chunks), so the split follows the runtime's.
-        stats: counters to fill (a fresh ``MTPStats`` if None).
-        health: the loaded head's ``HeadHealth`` (a fresh one if None): a cycle whose head output is not
-            finite counts as rejected and parks the head, as does acceptance under 2 % over its first
-            draft tokens; a parked head drafts no more (the rest of the generation is plain decoding).
-        cache_step: called with ``cache`` after every trunk pass, once the pass is committed (each prefill
-            chunk, the prompt pass, each plain step and cycle, and when the generator ends), where the
-            runtime's own loop calls it after each step (mlx-lm: KV cache quantization); it returns the
-            most tokens the next pass may feed without changing what the runtime would compute (None: no
-            limit; 1: a plain step), and the loop drafts at most that many tokens minus one.
-        draft_vocab: the head's ``draft_vocab.DraftVocabulary``: drafts come from its subset only (the trunk still
-            verifies over the full vocabulary; q is zero outside the subset); None: the full vocabulary.
-        lockstep: for a trunk sharded over ranks (``lockstep.group_of``), the ranks' shared decisions: each cycle's
-            depth is rank 0's, the ranks' states are checked before every cycle is queued, and the random state is
-            shared at the start of a sampled generation; None on one process.
-        lookup: drafts from the context as well (``lookup.LookupPolicy``, a fresh one per generation): before each
-            cycle, a lookup draft the scheduler finds worth its verify pass (``scheduler.plan``) replaces the head's
-            draft or the plain step, verified and accepted by the same rules (a point-mass proposal when sampling);
-            None: the head only.
-        costs: the model's ``scheduler.CostModel`` of one-row passes, fed this generation's plain steps and lookup
-            cycles (measured costs decide greedy and keyed generations on one process); None: a prior of
-            1 + (k − 1).
-
-    Yields:
-        ``(token, logprobs)``: token id (int) and the trunk's log-probs (V,) at its position.
+        depth: a fixed draft depth 1..8, or a ``DepthPolicy`` choosing it per cycle.
+        max_tokens: -1: no limit.
+        logits_processors: mlx-lm style ``processor(tokens, logits) -> logits``.
+        prefill_history: the processors see the whole prompt (mlx-lm ≥ 0.32); False: only its last token.
+        one_pass: feed the prompt in one trunk pass, as mlx-vlm 0.6 does; else all but its last token, then the last.
+        health: the head's ``head.health.HeadHealth``, which parks it on a non-finite output or too little acceptance.
+        cache_step: the runtime's per-step cache hook (mlx-lm: KV quantization), run after each committed pass; it
+            returns the most tokens the next pass may feed (None: no limit), which caps the depth.
+        draft_vocab: a ``head.draft_vocab.DraftVocabulary``: drafts from its subset only.
+        lockstep: the ranks of a sharded trunk (rank 0 decides the depth); None on one process.
+        lookup: a fresh ``lookup.LookupPolicy`` (context drafts the scheduler finds worth a pass); None: none.
+        costs: the model's ``scheduler.CostModel`` of one-row passes; None: a prior of 1 + (k − 1).
 
     Raises:
-        ValueError: a fixed depth outside 1..8, a policy's depth outside 0..8, an empty prompt, or neither a head nor
-            ``lookup``.
+        ValueError: a fixed depth outside 1..8, a policy's depth outside 0..8, an empty prompt, or no head nor lookup.
         rollback.RollbackError: a cache that can neither be trimmed nor rolled back.
-        lockstep.LockstepError: the ranks of a sharded trunk disagree (on every rank; the caches are then left as
-            they are).
+        lockstep.LockstepError: the ranks disagree (on every rank; the caches are left as they are).
     """
     if isinstance(depth, int) and not 1 <= depth <= MAX_DEPTH:
         raise ValueError(f"draft depth must be 1..{MAX_DEPTH}, got {depth}")
@@ -574,7 +431,7 @@ def generate(
     history = (prompt if prefill_history else prompt[-1:]) if processors else None
     drafter = Drafter(head, trunk, head_cache, sampling, draft_vocab)
     loop = _Loop(trunk, cache, drafter, sampling, processors, history, cache_step)
-    health = health if health is not None else HeadHealth("given to decoding.generate")
+    health = health if health is not None else HeadHealth("given to single.generate")
     if health.parked:
         drafter.stop()
 
@@ -606,10 +463,8 @@ def generate(
     held = None  # the policy's depth, asked for a cycle that drafted from the context instead
 
     def ask(block: int, behind: bool = False) -> Decision | None:
-        """What follows a block of at least ``block`` tokens (the committed cache's step run first): the scheduler's
-        decision (``scheduler.plan``, one row), or None if that block ends generation; ``behind``: the block's token
-        is not read yet (``lookup.ContextIndex.propose``). Ranks in lockstep take rank 0's head depth, then plan alike
-        (from the static cost prior, on equal contexts)."""
+        """The scheduler's decision for what follows a block of at least ``block`` tokens, or None if it ends the
+        generation; ``behind``: the block's token is not read yet. Ranks in lockstep take rank 0's head depth."""
         nonlocal held
         span = loop.after_pass()
         room = max_tokens - n - block - 1 if max_tokens >= 0 else None  # drafts that could still be emitted
@@ -643,8 +498,7 @@ def generate(
         return decision
 
     def queue(decision: Decision | None):
-        """What produces the next block, queued now: ``(Block.PLAIN, step)``, ``(Block.CYCLE, started cycle)`` or None;
-        and the seconds queueing took (part of that block's cost, not of the block being read)."""
+        """Queue the next block's producer: ``(Block, step or cycle)`` or None, and the seconds queueing took."""
         start = time.perf_counter()
         if decision is None:
             return None, 0.0
@@ -756,12 +610,8 @@ def _parks(health: HeadHealth, depth: int, outcome: int) -> bool:
 
 def _close_cache(loop: _Loop, source: Block, cycle: _Cycle | None, accepted: int, following, emitted: int,
                  stats) -> None:
-    """Leave the trunk cache holding exactly the prompt and every yielded token, as plain decoding does.
-
-    The block being yielded came from the prompt pass or a plain step (``source`` PROMPT / PLAIN: one
-    token) or from ``cycle``, committed to its first accepted+1 inputs; ``following`` (queued plain step,
-    started cycle or None) has fed the block's last token to the trunk already.
-    """
+    """Leave the trunk cache holding the prompt and every yielded token, as plain decoding does; ``following``
+    (queued plain step, started cycle or None) has already fed the block's last token."""
     if emitted == 0:  # raised between blocks: the previous block's last token is the cycle's first input
         if source is Block.CYCLE:
             cycle.recorder.commit(loop.cache, 1)

@@ -8,21 +8,16 @@ from dataclasses import dataclass, field
 
 @dataclass
 class MTPStats:
-    """Counts for one generation (the first token, sampled from the prompt pass, is not counted).
+    """Counts for one generation (the first token, from the prompt pass, is not counted).
 
     Attributes:
-        depth: the fixed draft depth, or None when the depth was chosen per cycle (adaptive).
-        cycles: draft → verify → accept cycles run.
-        drafted: draft tokens proposed.
-        accepted: draft tokens accepted and emitted.
-        emitted: tokens emitted by the cycles (accepted drafts plus one bonus/correction per cycle).
-        plain: tokens emitted by plain decoding steps (parked, or measuring the plain step cost).
+        depth: the fixed draft depth, or None (adaptive).
+        emitted: tokens emitted by the cycles (accepted drafts plus one bonus/correction token per cycle).
+        plain: tokens emitted by plain decoding steps.
         reached: per draft position k (index k-1), cycles whose drafts 1..k-1 were all accepted.
-        accepted_at: per draft position k, cycles whose draft k was accepted.
-        depths: the draft depth of each cycle, in order.
-        lookup_cycles, lookup_drafted, lookup_accepted, lookup_emitted: the same counts for cycles that verified
-            drafts from the context (``lookup.py``) instead of the head's (not in the counts above).
-        headless: the model has no head: only lookup drafts and plain steps (``summary`` says so).
+        accepted_at: per draft position k (index k-1), cycles whose draft k was accepted.
+        lookup_cycles, …: the same counts for cycles that verified context drafts (not in the counts above).
+        headless: the model has no head (lookup drafts and plain steps only).
     """
 
     depth: int | None = None
@@ -48,8 +43,7 @@ class MTPStats:
         self.lookup_emitted += emitted
 
     def record(self, accepted: int, emitted: int, depth: int | None = None) -> None:
-        """One cycle: ``accepted`` leading drafts accepted, ``emitted`` tokens emitted, at draft depth ``depth``
-        (default: the fixed ``self.depth``)."""
+        """One head cycle at ``depth`` (default: the fixed ``self.depth``)."""
         depth = self.depth if depth is None else depth
         grow = depth - len(self.reached)
         if grow > 0:
@@ -99,8 +93,8 @@ class MTPStats:
         return (self.cycles + self.plain + self.lookup_cycles) / tokens if tokens else 0.0
 
     def summary(self) -> str:
-        """The line ``mlx_lm.generate`` prints: ``MTP: depth=2 drafted=120 accepted=96 …``; an adaptive
-        generation says ``depth=auto`` and adds the cycles run at each depth and the plain tokens."""
+        """The line ``mlx_lm.generate`` prints (``MTP: depth=… drafted=… accepted=… …``); an adaptive generation
+        says ``depth=auto`` and adds its cycles per depth and plain tokens."""
         if self.headless:
             return (f"MTP lookup: drafted={self.lookup_drafted} accepted={self.lookup_accepted} "
                     f"cycles={self.lookup_cycles} plain={self.plain}")

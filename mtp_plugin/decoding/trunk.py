@@ -17,49 +17,35 @@ from .lockstep import Lockstep, gather_rows, group_of, sharded_rows
 
 
 def trunk_parts(model):
-    """``(text_model, args)``: the decoder stack (``embed_tokens``, ``layers``, ``norm``) and its args.
-
-    Works for runtimes' decoder-stack classes, which nest the stack as ``language_model.model`` (mlx-vlm,
-    mlx-lm Qwen3.5) or ``model`` (mlx-lm Qwen3-Next, DeepSeek-V3, GLM-4 MoE).
-    """
+    """``(text_model, args)``: the decoder stack (``embed_tokens``, ``layers``, ``norm``), nested as
+    ``language_model.model`` (mlx-vlm, mlx-lm Qwen3.5) or ``model`` (mlx-lm Qwen3-Next, DeepSeek-V3, GLM-4 MoE)."""
     outer = getattr(model, "language_model", model)
     return outer.model, getattr(outer, "args", None) or model.args
 
 
 def multimodal(model) -> bool:
-    """Whether ``model``'s decoder stack takes multimodal rotary positions (``position_ids``: mlx-vlm's Qwen3.5):
-    then ``StackTrunk`` runs the runtime's own prompt pass, media included."""
+    """Whether ``model``'s decoder stack takes multimodal rotary ``position_ids`` (mlx-vlm's Qwen3.5)."""
     return "position_ids" in inspect.signature(trunk_parts(model)[0].__call__).parameters
 
 
 @dataclass(frozen=True)
 class PromptInputs:
-    """The prompt pass as the runtime runs it (mlx-vlm: after ``model.get_input_embeddings``).
-
-    Attributes:
-        embeddings: (1, T, H) input embeddings of the T prompt tokens, media features merged in.
-        run: the runtime's own language model pass, ``run(tokens (1, S), cache, keywords) -> (1, S, H)`` hidden
-            states after the final norm; it sets every pass's positions as the runtime's loop does (media
-            positions, the rope delta after them). Supplied by the runtime's adapter.
-        keywords: what the runtime passes its language model with every prompt pass (mlx-vlm: the embedding
-            output's fields such as ``position_ids`` (3, 1, T') and ``rope_deltas``, ``image_grid_thw`` and the
-            caller's other model keywords); later passes get none, as in the runtime's own loop.
-    """
+    """The prompt pass as the runtime runs it (mlx-vlm: after ``model.get_input_embeddings``): ``embeddings`` (1, T, H)
+    of the T prompt tokens, media merged in; ``run(tokens (1, S), cache, keywords) -> (1, S, H)``, the runtime's
+    language-model pass (post-norm hidden states, the runtime's positions); ``keywords`` for every prompt pass
+    (mlx-vlm: ``position_ids`` (3, 1, T'), ``rope_deltas``, ...), none for later passes."""
 
     embeddings: mx.array
     run: Callable[[mx.array, list, dict], mx.array]
     keywords: dict = field(default_factory=dict)
 
     def pass_keywords(self, start: int, stop: int) -> dict:
-        """The keywords of the pass feeding prompt tokens ``start .. stop-1``, their embeddings included (the
-        runtime slices prompt-long positions from its cache's offset)."""
+        """Keywords of the pass feeding prompt tokens ``start .. stop-1``, their embeddings included."""
         return {**self.keywords, "inputs_embeds": self.embeddings[:, start:stop]}
 
     def head_positions(self, start: int, length: int) -> mx.array | None:
-        """Multimodal rotary positions (3, 1, length), int32, for the head's pairs ``start .. start+length-1`` (pair
-        j: trunk hidden state of prompt token j): the prompt's own positions, then one past their maximum for
-        each later token (Qwen2-VL ``get_rope_index``: text after media continues from the largest position).
-        None when the prompt carries no 3-axis positions (the head then counts its own cache offset)."""
+        """Multimodal rotary positions (3, 1, length), int32, of the head's pairs ``start .. start+length-1``: the
+        prompt's own, then one past their maximum (Qwen2-VL ``get_rope_index``); None without 3-axis positions."""
         positions = self.keywords.get("position_ids")
         if positions is None or positions.ndim != 3:
             return None
@@ -74,22 +60,10 @@ class PromptInputs:
 
 
 class StackTrunk:
-    """The trunk functions the decoding loop needs (``single.Trunk``), over a runtime's decoder-stack model
-    (``trunk_parts``): Qwen3.5 / Qwen3-Next of mlx-lm and mlx-vlm, DeepSeek-V3, GLM-4 MoE.
-
-    ``hidden`` returns the decoder stack's output after its final norm (contract ``post_norm``), or
-    before it (``pre_norm``: the final norm is bypassed for the call, so the model must not be used
-    by another thread meanwhile). Given the runtime's prompt pass (``PromptInputs``), every pass runs through the
-    runtime's own language model call it carries, which sets the positions as the runtime's loop does; without
-    one, a decoder stack whose call takes ``position_ids`` (mlx-vlm's Qwen3.5, multimodal RoPE) gets the
-    positions of text (``text_positions``).
-
-    Args:
-        model: the runtime's model.
-        contract: the head's ``conventions.Contract``.
-        prompt: the prompt pass as the runtime runs it (its first ``hidden`` calls, in order, are the prompt's
-            tokens); None: token embeddings and no keywords.
-    """
+    """``single.Trunk`` over a runtime's decoder-stack model. ``hidden`` returns the stack's output after its final
+    norm (``contract.hidden`` ``post_norm``) or before it (``pre_norm``: the norm is swapped out during the call, so no
+    other thread may use the model meanwhile). With ``prompt`` (its first ``hidden`` calls being the prompt's tokens,
+    in order) each pass is the runtime's own call; without, a stack taking ``position_ids`` gets ``text_positions``."""
 
     def __init__(self, model, contract, prompt: PromptInputs | None = None):
         self.text_model, _ = trunk_parts(model)
@@ -122,9 +96,8 @@ class StackTrunk:
         return self.text_model(tokens, cache=cache)
 
     def text_positions(self, cache, length):
-        """mRoPE position ids (3, 1, S), int32, of the next S text tokens without a runtime prompt pass (the
-        head's checks at load time): offset of the first full-attention layer's KV cache (0 without a cache) +
-        arange(S) on every axis, as mlx-vlm computes them for text (rope delta 0; Qwen2-VL ``get_rope_index``)."""
+        """mRoPE position ids (3, 1, S), int32, of the next S text tokens: the first full-attention layer's cache offset
+        (0 without a cache) + arange(S) on every axis, as mlx-vlm's for text."""
         layers = [layer for layer in self.text_model.layers if layer is not None]  # a pipeline stage's own
         offset = 0 if cache is None else next(c.offset for layer, c in zip(layers, cache, strict=True)
                                               if not getattr(layer, "is_linear", False))
@@ -135,9 +108,8 @@ class StackTrunk:
         return self.text_model.embed_tokens(tokens)
 
     def head_inputs(self, tokens, start: int):
-        """What the head takes with the pairs (h[start+i], x[start+i+1]), i < S, of tokens x (S,) counted from
-        the prompt's first token: their embeddings (1, S, H) (the prompt pass's own, media features included,
-        for prompt tokens) and their multimodal positions (3, 1, S), or None (``PromptInputs.head_positions``)."""
+        """Embeddings (1, S, H) (the prompt pass's own for prompt tokens) and positions (3, 1, S) or None of the head's
+        pairs (h[start+i], x[start+i+1]), i < S, for tokens x (S,) counted from the prompt's first token."""
         if self.prompt is None:
             return self.embed(tokens[None]), None
         prompt = self.prompt.embeddings
@@ -148,30 +120,23 @@ class StackTrunk:
         return embeddings, self.prompt.head_positions(start, tokens.size)
 
     def logits(self, hidden):
-        """(…, V) logits through the lm_head, or the tied embedding; a tensor-parallel lm_head's slices gathered
-        from every rank (as the runtime's own ``__call__`` gathers them)."""
+        """(…, V) logits through the lm_head or the tied embedding; a tensor-parallel lm_head's slices gathered."""
         if self.lm_head is None:
             return self.text_model.embed_tokens.as_linear(hidden)
         logits = self.lm_head(hidden)
         return logits if self.vocab_group is None else gather_rows(logits, self.vocab_group)
 
     def _projection(self):
-        """The module whose rows are the vocabulary's: the lm_head, or the tied embedding."""
         return self.text_model.embed_tokens if self.lm_head is None else self.lm_head
 
     def vocab_size(self) -> int:
-        """V, the width of the logits: the rows of the output projection (times the ranks it is sharded over)."""
+        """V, the width of the logits (rows of the output projection, times its shard count)."""
         rows = self._projection().weight.shape[0]
         return rows if self.vocab_group is None else rows * self.vocab_group.size()
 
     def logits_over(self, ids):
-        """``hidden (…, H) -> logits (…, k)`` over token ``ids`` (k,) only: a copy of those rows of the output
-        projection, made once (quantized rows stay quantized with their scales and biases; no re-quantization).
-        Each logit equals the full projection's at that id up to the order of accumulation.
-
-        Raises:
-            ValueError: the projection is sharded over ranks (tensor parallel): its rows are not all here.
-        """
+        """``hidden (…, H) -> logits (…, k)`` over token ``ids`` (k,): a copy of those output-projection rows (quantized
+        stays quantized), equal to the full logits up to summation order; ValueError if sharded over ranks."""
         if self.vocab_group is not None:
             raise ValueError("a draft vocabulary needs the whole lm_head; this rank holds a slice of it")
         source = self._projection()
@@ -181,19 +146,13 @@ class StackTrunk:
         return rows if self.lm_head is not None else rows.as_linear
 
     def trunk_logits(self, hidden):
-        """(…, V) trunk logits of ``hidden`` output: the final norm first when it was bypassed (``pre_norm``)."""
+        """(…, V) trunk logits of ``hidden``, the final norm applied first under ``pre_norm``."""
         return self.logits(self.text_model.norm(hidden) if self.pre_norm else hidden)
 
 
 class LogitsTrunk:
-    """The trunk of a model decoded without a head (lookup drafts only): every pass is the runtime model's own call,
-    whose logits stand in for the hidden states (nothing consumes hidden states without a head), so each verified
-    position gets exactly the logits the runtime's plain loop computes, whatever the architecture (softcaps, logit
-    scales and tied or untied projections included).
-
-    Args:
-        model: the runtime's model, ``model(tokens (1, S), cache=cache) -> logits (1, S, V)``.
-    """
+    """The trunk of a model decoded without a head (lookup drafts only): each pass is the model's own call, whose
+    logits (1, S, V) stand in for hidden states, so verified positions get exactly the plain loop's logits."""
 
     def __init__(self, model):
         self.model = model
@@ -203,27 +162,25 @@ class LogitsTrunk:
         return self.model(tokens, cache=cache)
 
     def trunk_logits(self, hidden):
-        """``hidden`` itself: the pass returned logits."""
         return hidden
 
 
 def _loaded(model, drafting: bool = False):
-    """``model``'s loaded head (``loader.LoadedHead``), or None; with ``drafting``, None too once it is parked."""
+    """``model``'s ``loading.loader.LoadedHead`` or None; with ``drafting``, None too once it is parked."""
     loaded = getattr(model, "mtp_head", None)
     return None if loaded is None or (drafting and loaded.health.parked) else loaded
 
 
 @hookimpl(trylast=True)
 def mtp_trunk(model, contract):
-    """A ``StackTrunk`` for any model with a loaded head (a family whose trunk is no decoder stack answers first)."""
+    """A ``StackTrunk`` for any model with a loaded head (families whose trunk is no decoder stack answer first)."""
     return StackTrunk(model, contract) if _loaded(model) is not None else None
 
 
 @hookimpl(trylast=True)
 def mtp_generate_step(prompt, model, options):
-    """``single.generate`` over a ``StackTrunk`` for any model with a head that drafts (a family with its own loop
-    answers first), or over a ``LogitsTrunk`` with lookup drafts only when ``options`` carry a ``lookup`` policy and
-    the model has no head that drafts; else None (stock decoding: a parked head, no lookup)."""
+    """``single.generate`` over a ``StackTrunk`` for a model with a head that drafts, or over a ``LogitsTrunk``
+    with lookup drafts only when ``options`` carry a ``lookup`` policy and no ``prompt_inputs``; else None (stock)."""
 
     from . import single
 

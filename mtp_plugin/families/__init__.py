@@ -7,9 +7,8 @@ import inspect
 
 
 def for_model_types(model_types):
-    """Decorate a family's hook implementation (under ``@hookimpl``) to answer None, "not mine", unless the model
-    type (its ``model_type`` argument, else ``config["model_type"]``) is one of ``model_types``. The signature is
-    kept: pluggy reads the argument names from it."""
+    """Decorator (under ``@hookimpl``): the hook answers None unless its ``model_type`` argument, else
+    ``config["model_type"]``, is in ``model_types``; the signature is kept for pluggy."""
 
     def decorate(function):
         names = list(inspect.signature(function).parameters)

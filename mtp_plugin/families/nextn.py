@@ -1,20 +1,6 @@
-"""DeepSeek-V3-style next-n heads (DeepSeek-V3, GLM-4.5 / 4.6 / 4.7 MoE, GLM-4.7-Flash): one extra decoder layer.
-
-Head layout (Hugging Face names; reference: DeepSeek-V3 ``inference/model.py`` and vLLM
-``model_executor/models/deepseek_mtp.py``, ``glm4_moe_mtp.py``): the layer stored after the trunk's last one,
-``model.layers.{num_hidden_layers}.``, holding ``enorm``, ``hnorm``, ``eh_proj`` (2·hidden → hidden, input
-``concat[enorm(embed(x[t+1])), hnorm(h[t])]``), the layer's own ``self_attn`` (GQA for GLM-4 MoE, MLA for
-DeepSeek-V3 and GLM-4.7-Flash), ``mlp`` (MoE or dense, as the trunk's layer at that index would be),
-``input_layernorm``, ``post_attention_layernorm``, and ``shared_head.norm``; ``embed_tokens`` and
-``shared_head.head`` are copies of the trunk's embedding and ``lm_head`` (the trunk's own are used).
-config.json says ``num_nextn_predict_layers``; only the first next-n layer is used.
-
-This wiring is the built ``MTPHead``'s (canonical names: ``enorm`` → ``pre_fc_norm_embedding``, ``hnorm`` →
-``pre_fc_norm_hidden``, ``eh_proj`` → ``fc``, ``shared_head.norm`` → ``norm``, the layer → ``layers.0``), so
-everything past naming and layout is the core's. The trunk is attention-only: its KV caches (MLA's latent
-cache included) are rolled back by trimming, so this family lists no capture points. RMSNorm scales are
-absolute in these checkpoints' modelling code; the loader still reads each file's evidence, and the first prompt
-settles the rest by the head's own predictions.
+"""DeepSeek-V3-style next-n heads (DeepSeek-V3, GLM-4.5 / 4.6 / 4.7 MoE, GLM-4.7-Flash): one extra decoder layer,
+``model.layers.{num_hidden_layers}.``; only the first next-n layer is used. Layout (DeepSeek-V3 ``inference/model.py``,
+vLLM ``deepseek_mtp.py``, ``glm4_moe_mtp.py``) and name mapping: docs/plugins.md#built-in-families.
 """
 
 from __future__ import annotations
@@ -77,14 +63,8 @@ def mtp_head_name(name, model_type, sidecar, config):
 
 
 def _runtime_sanitize(model_type: str, config: dict, layer: dict) -> dict:
-    """The head layer's tensors (names under ``layers.0.``) in the runtime's layout, as if they were the trunk's
-    layer 0 (``mtp_layer_sanitize``: experts stacked into ``switch_mlp``, MLA's ``kv_b_proj`` split into
-    ``embed_q`` / ``unembed_out``, FP8 blocks dequantized).
-
-    Raises:
-        CheckpointError: a tensor that layout needs is missing (an expert of the layer), or no runtime has the
-            model type; the message names it.
-    """
+    """``layer`` (names under ``layers.0.``) in the runtime's layout (``mtp_layer_sanitize``); ``CheckpointError``
+    naming a missing tensor, or when no runtime has ``model_type``."""
     try:
         out = hook().mtp_layer_sanitize(model_type=model_type, config=config,
                                         weights={"model." + k: v for k, v in layer.items()})
@@ -141,6 +121,5 @@ def mtp_norm_roles(config):
 @hookimpl
 @for_model_types(MODEL_TYPES)
 def mtp_stored_norm_convention(config, shapes, pytorch):
-    """The modelling code of these model types (DeepSeek-V3's reference and mlx-lm's) uses RMSNorm weights as
-    stored, in the original layout and in conversions alike."""
+    """Absolute in every layout (DeepSeek-V3's reference modelling code and mlx-lm's use the weights as stored)."""
     return ABSOLUTE, "a DeepSeek-V3-style checkpoint (absolute RMSNorm scales in every layout)"

@@ -1,9 +1,5 @@
-"""Qwen3.5 / 3.6 / 3.8 (dense and MoE) and Qwen3-Next: the one-layer MTP head.
-
-Head layout (Hugging Face names under ``mtp.``; reference: vLLM ``model_executor/models/qwen3_next_mtp.py``
-and ``qwen3_5_mtp.py``): ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``fc`` (2·hidden → hidden),
-``layers.0`` (one full-attention decoder layer of the trunk's own class, dense MLP or MoE), ``norm``.
-The trunk's ``lm_head`` (or tied embedding) turns the head's output into logits.
+"""Qwen3.5 / 3.6 / 3.8 (dense and MoE) and Qwen3-Next: the one-layer MTP head under ``mtp.`` (layout: vLLM
+``qwen3_next_mtp.py``, ``qwen3_5_mtp.py``; docs/plugins.md#built-in-families).
 """
 
 from __future__ import annotations
@@ -81,9 +77,8 @@ def mtp_sanitize_head(weights, config):
 @hookimpl
 @for_model_types(MODEL_TYPES)
 def mtp_build_head(model, config):
-    """An MTPHead whose decoder layer is a fresh full-attention layer of the trunk's own class; None for a
-    model that is not a runtime's Qwen3.5-family class (e.g. mlx-lm's ``load_model(get_model_classes=…)``
-    building the caller's own class): it is left as built."""
+    """An MTPHead around a fresh full-attention layer of the trunk's own class; None for a model that is not a
+    runtime's Qwen3.5-family class (e.g. the caller's own, via mlx-lm's ``load_model(get_model_classes=…)``)."""
     outer = getattr(model, "language_model", model)
     if not hasattr(getattr(outer, "model", None), "layers"):
         return None

@@ -1,11 +1,5 @@
-"""Per-tensor conventions of a head: RMSNorm convention, quantization, and the wiring contract.
-
-Norm conventions: Hugging Face Qwen3.5 stores zero-centred RMSNorm weights (effective scale ``1 + w``),
-MLX conversions store the absolute scale ``w``. A head may mix both (tensors copied from different
-sources), so the convention is decided per tensor from evidence, never from the mere presence of
-``mtp.*`` keys and never from a mean (a converted ``pre_fc_norm_embedding`` can have mean ≈ 0.27, a
-zero-centred norm can be positive everywhere).
-"""
+"""Per-tensor conventions of a head: RMSNorm convention (zero-centred ``1 + w`` or absolute ``w``, decided per tensor
+from evidence), quantization read from packed shapes, and the wiring contract. Design: docs/checkpoints.md."""
 
 from __future__ import annotations
 
@@ -22,13 +16,10 @@ NORM_KEY = "mtp_norm_convention"
 
 @dataclass(frozen=True)
 class Contract:
-    """How the head is wired to the trunk; a wrong choice collapses acceptance without any error.
-
-    Attributes:
-        hidden: ``"post_norm"`` (trunk hidden after its final norm, Qwen's default) or ``"pre_norm"``.
-        concat_order: ``"embedding_first"`` (Qwen's default) or ``"hidden_first"``.
-        positions: ``"trunk"``: the head's RoPE position for pair (h[t], x[t+1]) is t.
-    """
+    """How the head is wired to the trunk (a wrong choice collapses acceptance without any error): ``hidden``
+    ``"post_norm"`` (after the trunk's final norm; Qwen's default) or ``"pre_norm"``; ``concat_order``
+    ``"embedding_first"`` (Qwen's) or ``"hidden_first"``; ``positions`` ``"trunk"`` (RoPE position t for the pair
+    (h[t], x[t+1]))."""
 
     hidden: str = "post_norm"
     concat_order: str = "embedding_first"
@@ -36,11 +27,8 @@ class Contract:
 
     @classmethod
     def from_metadata(cls, metadata: dict) -> Contract:
-        """The contract recorded under ``mtp_contract`` (JSON string or dict), defaults elsewhere.
-
-        Raises:
-            ValueError: an unknown field or value.
-        """
+        """The contract under ``mtp_contract`` (JSON string or dict), defaults elsewhere. Raises TypeError for an
+        unknown field, ValueError for an unknown value (or JSON that does not parse)."""
         raw = metadata.get(CONTRACT_KEY)
         if raw is None:
             return cls()
@@ -68,27 +56,17 @@ class NormDecision:
 
 
 def is_norm(canonical: str, shape: tuple[int, ...]) -> bool:
-    """True for a head RMSNorm weight: 1-D ``<module>.weight`` whose module name contains ``norm``
-    (``norm``, ``q_norm``, ``input_layernorm``, ``pre_fc_norm_embedding`` …)."""
+    """True for a head RMSNorm weight: 1-D ``<module>.weight`` whose module name contains ``norm``."""
     parts = canonical.split(".")
     return len(shape) == 1 and parts[-1] == "weight" and len(parts) > 1 and "norm" in parts[-2]
 
 
 def decide_norm(values: np.ndarray, declared: str | None = None,
                 file_evidence: tuple[str, str] | None = None) -> NormDecision:
-    """Decide one RMSNorm weight's convention from the evidence its file carries, never from a mean.
-
-    Evidence, strongest first: a convention declared in metadata; negative entries (an absolute
-    scale is never negative in a trained model); all entries ≈ 0 (an absolute scale of 0 would erase
-    the signal); the file it is stored in (``checkpoint.file_conventions``). Without any of these the
-    decision is provisional (absolute, as stored, ``settled`` False): the first prompt with enough evidence settles
-    it by the head's own predictions of the prompt's tokens, per tensor (``settle.py``).
-
-    Args:
-        values: the stored weight, any float dtype, shape (H,).
-        declared: ``"zero_centred"`` / ``"absolute"`` from metadata, or None.
-        file_evidence: ``(convention, evidence)`` from the file the tensor sits in, or None.
-    """
+    """One RMSNorm weight's (H,) convention, never from a mean. Evidence, strongest first: ``declared`` in metadata;
+    negative entries; all entries ≈ 0; ``file_evidence`` ``(convention, evidence)`` of its file
+    (``loading.checkpoint.file_conventions``). Without any: absolute as stored, ``settled`` False, for
+    ``head/norm_settling.py``."""
     if declared in (ZERO_CENTRED, ABSOLUTE):
         return NormDecision(declared, "declared in metadata")
     v = np.asarray(values, dtype=np.float32)
@@ -105,16 +83,8 @@ def decide_norm(values: np.ndarray, declared: str | None = None,
 
 def quantization_of(weight_shape: tuple[int, ...], scales_shape: tuple[int, ...] | None,
                     in_features: int) -> dict | None:
-    """Affine quantization parameters of a linear layer inferred from stored shapes.
-
-    MLX packs ``bits``-bit values into uint32: weight (…, out, in·bits/32), scales (…, out, in/group_size).
-
-    Returns:
-        ``{"bits": b, "group_size": g}`` or None for an unquantized weight.
-
-    Raises:
-        ValueError: shapes that no bit width / group size explains.
-    """
+    """``{"bits": b, "group_size": g}`` of a linear layer from MLX's packed shapes (weight (…, out, in·bits/32) uint32,
+    scales (…, out, in/group_size)); None without scales. ValueError: shapes no bit width / group size explains."""
     if scales_shape is None:
         return None
     bits, rem = divmod(weight_shape[-1] * 32, in_features)
@@ -136,8 +106,7 @@ TRUNK_PREFIXES = ("model.language_model.", "language_model.model.", "language_mo
 
 
 def strip_trunk(name: str) -> str:
-    """A trunk tensor name without its stack prefix, the same for HF and MLX layouts:
-    ``model.language_model.norm.weight`` and ``language_model.model.norm.weight`` are both ``norm.weight``."""
+    """A trunk tensor name without its stack prefix (HF and MLX layouts alike): ``norm.weight``, ``layers.0.…``."""
     for prefix in TRUNK_PREFIXES:
         if name.startswith(prefix):
             return name[len(prefix):]

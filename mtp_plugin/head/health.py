@@ -1,11 +1,5 @@
-"""Whether a loaded head may still draft: parked, with one warning, when its output is not finite or when
-it accepts (almost) nothing over its first cycles.
-
-A parked head drafts no more, in the generation that parked it and in every later one (the model then
-decodes stock); the reason is kept on ``LoadedHead.health.parked`` and in ``LoadedHead.summary()``.
-Parking never changes output: a non-finite draft is rejected (``decoding.reject_nonfinite``), and a
-head that accepts nothing only costs time.
-"""
+"""Parking a loaded head whose output is not finite or that accepts (almost) nothing over its first cycles: one
+warning, then no more drafts in this or any later generation; output never changes. Design: docs/decoding.md#use."""
 
 from __future__ import annotations
 
@@ -13,16 +7,12 @@ import logging
 
 log = logging.getLogger("mtp_plugin")
 
-PROBE_DRAFTS = 64  # draft tokens after which a head's acceptance is judged (a trained head accepts 30-80 %); 0: never
+PROBE_DRAFTS = 64  # draft tokens after which a head's acceptance is judged; 0: never
 MIN_ACCEPTANCE = 0.02  # below this over the first PROBE_DRAFTS the head is initializer noise
 
 
 class HeadHealth:
-    """Lifetime counters of one loaded head and its parking decision.
-
-    Args:
-        name: how the warning names the head (its files).
-    """
+    """Lifetime counters of one loaded head and its parking decision (``parked``: the reason, or None)."""
 
     def __init__(self, name: str):
         self.name = name
@@ -41,10 +31,7 @@ class HeadHealth:
                   "`mtp-plugin inspect` on the model directory")
 
     def observe(self, drafted: int, accepted: int) -> bool:
-        """Count one cycle; True when the head is (now) parked.
-
-        Over its first ``PROBE_DRAFTS`` draft tokens a head must reach ``MIN_ACCEPTANCE``.
-        """
+        """Count one cycle; True when parked (below ``MIN_ACCEPTANCE`` over the first ``PROBE_DRAFTS`` drafts)."""
         probing = 0 < PROBE_DRAFTS and self.drafted < PROBE_DRAFTS
         self.drafted += drafted
         self.accepted += accepted

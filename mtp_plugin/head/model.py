@@ -1,13 +1,6 @@
-"""The MTP head module: one decoder layer that drafts token t+2 from the trunk's hidden state at t.
-
-Forward (Qwen3-Next / Qwen3.5 wiring; reference: vLLM ``qwen3_next_mtp.py``,
-``Qwen3NextMultiTokenPredictor.forward``)::
-
-    z = fc(concat[pre_fc_norm_embedding(embed(x[t+1])), pre_fc_norm_hidden(h[t])])
-    out = norm(layers[0](z, cache))
-
-The decoder layer is built from the trunk's own class (see ``families/``) so attention, MoE and
-quantization behave exactly as in the trunk; the trunk's ``lm_head`` turns ``out`` into logits.
+"""The MTP head module: one decoder layer drafting token t+2 from the trunk's hidden state h[t]. Forward (Qwen3-Next /
+Qwen3.5 wiring; vLLM ``qwen3_next_mtp.py``): out = norm(layers[0](fc(concat[pre_fc_norm_embedding(embed(x[t+1])),
+pre_fc_norm_hidden(h[t])]))), the layer of the trunk's own class (``families/``); the trunk's ``lm_head`` gives logits.
 """
 
 from __future__ import annotations
@@ -27,16 +20,9 @@ NORM_ROLES = {  # MTPHead's norms -> the trunk norms with the same role (``mtp_n
 
 
 class MTPHead(nn.Module):
-    """One-layer MTP head.
-
-    Args:
-        hidden_size: trunk hidden size H.
-        eps: RMSNorm epsilon of the trunk.
-        layer: a full-attention decoder layer ``layer(x, mask, cache) -> x`` of the trunk's class.
-        contract: wiring choices (concat order, trunk hidden variant); defaults match Qwen's training.
-        array_mask: the layer's attention takes only a boolean array as its causal mask (DeepSeek's MLA), not
-            the string ``"causal"`` that lets others use the fused kernel's own masking.
-    """
+    """One-layer MTP head. ``layer``: a full-attention decoder layer ``layer(x, mask, cache) -> x`` of the trunk's
+    class; ``eps``: the trunk's RMSNorm epsilon; ``array_mask``: the layer's attention takes only a boolean array
+    mask (DeepSeek's MLA), not ``"causal"``."""
 
     def __init__(self, hidden_size: int, eps: float, layer: nn.Module, contract: Contract | None = None,
                  array_mask: bool = False):
@@ -51,19 +37,11 @@ class MTPHead(nn.Module):
 
     def __call__(self, hidden: mx.array, embeddings: mx.array, cache=None, mask=None,
                  positions: mx.array | None = None) -> mx.array:
-        """Head output before the lm_head.
-
-        Args:
-            hidden: trunk hidden states h[t], shape (B, T, H), in the contract's variant.
-            embeddings: trunk embeddings of x[t+1], shape (B, T, H).
-            cache: the head's own KV cache (an mlx-lm/mlx-vlm ``KVCache``, or a batched one) or None.
-            mask: attention mask for a batched cache (its ``make_mask``); None: causal over the new tokens.
-            positions: multimodal rotary positions (3, B, T) of the pairs, passed to the layer as ``position_ids``
-                (mlx-vlm's Qwen3.5 layers); None: the layer counts from its cache offset.
-
-        Returns:
-            (B, T, H) array, same dtype as the head's weights.
-        """
+        """Head output before the lm_head, (B, T, H) in the weights' dtype. ``hidden``: h[t] (B, T, H) in the
+        contract's variant; ``embeddings``: trunk embeddings of x[t+1] (B, T, H); ``cache``: the head's own KV cache
+        (mlx-lm/mlx-vlm ``KVCache`` or batched) or None; ``mask``: a batched cache's ``make_mask``, None: causal;
+        ``positions``: multimodal rotary positions (3, B, T), passed as ``position_ids`` (mlx-vlm's Qwen3.5 layers);
+        None: the layer counts from its cache offset."""
         e = self.pre_fc_norm_embedding(embeddings)
         h = self.pre_fc_norm_hidden(hidden)
         pair = [e, h] if self.contract.concat_order == "embedding_first" else [h, e]

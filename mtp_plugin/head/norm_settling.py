@@ -1,31 +1,7 @@
-"""Settle, per tensor, the convention of head norms whose files leave it open, on a prompt's own tokens.
-
-Which norms: those ``conventions.decide_norm`` left provisional (an MLX-written sidecar without
-``mtp_norm_convention`` whose entries are all positive). Until settled they are read as stored (absolute).
-
-When: at the first prompt with at least ``MIN_POSITIONS`` scored positions. ``Drafter.prefill`` hands ``on_prompt``
-the pairs (h[t], x[t+1]) of a prompt's first chunk before feeding them to the head: single-stream decoding (mlx-lm,
-mlx-vlm) and each row of the mlx-lm server's batched prompt pass. The trunk's hidden states are the prompt pass's
-own, so settling runs no trunk pass. A shorter prompt leaves the norms open for a later one. It runs once per loaded
-head, in the prompt phase (its host syncs are there, none in the per-token loop), and never changes output: every
-draft is still verified by the trunk. A head whose files decide every norm pays one attribute lookup per prompt.
-
-Evidence: for each of the prompt's first ``MAX_POSITIONS`` positions t the head drafts x[t+2] from (h[t], x[t+1]);
-a reading scores, at t, the log-likelihood the head gives the prompt's own token x[t+2]. That is the head's training
-objective (MTP heads are trained by cross-entropy on the data's token t+2: DeepSeek-V3 technical report §2.2,
-Qwen3-Next, the bundled tiny checkpoint's ``build_tiny_checkpoint.py``), so the reading a head was trained under
-scores best in expectation. It needs no lm_head pass of the trunk over the prompt (the trunk's argmax would), and it
-is graded where agreement is 0 or 1 per position, so fewer positions decide.
-
-Search, per tensor (best improvement): first every norm's other reading at once (a head written one way
-throughout), then rounds in which each norm's other reading is scored alone, the others held, and the flip that
-gains most is taken if a paired test over positions calls it better: mean gain at least ``GAIN`` nats per position
-and at least ``Z`` standard errors. Rounds end when no flip passes (the mean score rises with every flip taken, so
-the search ends). With k open norms that is k + 2 head passes when the readings as stored hold, k - 1 more per flip;
-an exhaustive search would cost 2^k (128 for a Qwen3.5 head's seven norms) and test as many hypotheses. Two
-readings that predict alike (q_norm / k_norm of a small head: their scale only sharpens attention) stay as read:
-on the bundled checkpoint such flips gain under 0.02 nats per position, a wrong reading loses ≥ 0.1 at z ≥ 3.
-"""
+"""Settle, per tensor, the convention of head norms that ``conventions.decide_norm`` left open, by the head's
+log-likelihood of a prompt's own tokens x[t+2] (its training objective: DeepSeek-V3 technical report §2.2), from the
+prompt pass's hidden states (``decoding.drafter.Drafter.prefill``): once per loaded head, in the prompt phase; it
+changes acceptance only, never output. Design: docs/checkpoints.md#norm-conventions."""
 
 from __future__ import annotations
 
@@ -50,8 +26,8 @@ def other(convention: str) -> str:
 
 
 def readings(stored: mx.array) -> dict[str, mx.array]:
-    """Both readings of a norm weight (H,) as stored, ``{convention: weight the head loads}`` (zero-centred: 1 + w,
-    computed in float32, stored dtype kept)."""
+    """``{convention: weight the head loads}`` for a stored norm weight (H,); zero-centred: 1 + w in float32, stored
+    dtype kept."""
     return {ABSOLUTE: stored, ZERO_CENTRED: (stored.astype(mx.float32) + 1.0).astype(stored.dtype)}
 
 
@@ -80,17 +56,10 @@ def _tests(differences: list[mx.array]) -> list[Test]:
 
 def search(head, candidates: dict[str, dict[str, mx.array]], start: dict[str, str],
            score: Callable[[], mx.array]) -> tuple[dict[str, str], dict[str, Test]]:
-    """Best-improvement search of norm readings, per tensor (see the module docstring).
-
-    Args:
-        head: the head module; its norms named in ``candidates`` are loaded with the chosen readings on return.
-        candidates: per norm (canonical name), its weight under each convention (``readings``); not empty.
-        start: the convention each norm starts from.
-        score: per-position scores (N,) float32 of the head as currently loaded (higher is better).
-
-    Returns:
-        the chosen convention per norm, and per norm the test of its other reading against the final choice.
-    """
+    """Best-improvement search of norm readings, per tensor: every norm flipped at once, then one flip per round while
+    the best passes ``Test.passes``; ``head`` holds the chosen readings on return. ``candidates``: per norm, its weight
+    per convention (``readings``), not empty; ``score``: per-position scores (N,) float32 of the head as loaded (higher
+    is better). Returns (convention per norm, per norm the test of its other reading against the final choice)."""
     def load(conventions: dict[str, str]) -> None:
         head.load_weights([(n, candidates[n][c]) for n, c in conventions.items()], strict=False)
 
@@ -121,19 +90,10 @@ def search(head, candidates: dict[str, dict[str, mx.array]], start: dict[str, st
 
 
 def prompt_score(head, trunk, hidden: mx.array, tokens: mx.array, cache, limit: int = MAX_POSITIONS):
-    """``score`` for ``search``: per position, the head's log-likelihood of the prompt's own token x[t+2].
-
-    Args:
-        head: the head module.
-        trunk: the trunk's functions (``decoding.Trunk``).
-        hidden: (1, P, H) trunk hidden states h[0..P-1] of the prompt's first P tokens, in the contract's variant.
-        tokens: (P,) tokens x[1..P], the second member of each pair.
-        cache: the head's empty trimmable KV cache (left empty).
-        limit: most positions scored (the first ones).
-
-    Returns:
-        a function of no arguments returning (N,) float32 log-likelihoods (nats), N = min(P - 1, limit).
-    """
+    """``score`` for ``search``: per position t, the head's log-likelihood (nats) of the prompt's own token x[t+2],
+    as (N,) float32, N = min(P - 1, ``limit``). ``hidden``: (1, P, H) trunk hidden states h[0..P-1] in the contract's
+    variant; ``tokens``: (P,) x[1..P]; ``trunk``: ``decoding.single.Trunk``; ``cache``: the head's empty trimmable
+    KV cache, left empty."""
     n = min(tokens.size - 1, limit)
     embeddings, positions = trunk.head_inputs(tokens[:n], 0)
     targets = tokens[1 : n + 1, None].astype(mx.int32)
@@ -150,11 +110,7 @@ def prompt_score(head, trunk, hidden: mx.array, tokens: mx.array, cache, limit: 
 
 
 class OpenNorms:
-    """A loaded head's norms whose files leave their convention open, until ``on_prompt`` settles them.
-
-    Args:
-        loaded: the ``loader.LoadedHead``; its open norms (``NormDecision.settled`` False) are loaded as stored.
-    """
+    """The open norms (``NormDecision.settled`` False, loaded as stored) of a ``loading.loader.LoadedHead``."""
 
     def __init__(self, loaded):
         self.loaded = loaded
@@ -163,8 +119,7 @@ class OpenNorms:
 
     def settle(self, score: Callable[[], mx.array], positions: int) -> None:
         """Search the open norms' readings with ``score`` (``prompt_score`` over ``positions`` positions), load the
-        chosen ones and record each norm's reading and evidence, settled, on the loaded head (``LoadedHead.norms``).
-        """
+        chosen ones and record each reading and its evidence, settled, in ``LoadedHead.norms``."""
         head = self.loaded.module
         weights = dict(tree_flatten(head.parameters()))  # as loaded, in the head's dtype now (a caller may cast it)
         candidates = {n: readings(weights[n]) for n in self.names}
@@ -182,23 +137,15 @@ class OpenNorms:
 
 
 def attach(loaded) -> None:
-    """Keep ``loaded``'s open norms on its head module (``module.open_norms``) for the first prompt with enough
-    evidence to settle them (``on_prompt``); None when its files decide every norm."""
+    """Keep ``loaded``'s open norms on ``module.open_norms`` for ``on_prompt``; None when its files decide all."""
     pending = OpenNorms(loaded)
     loaded.module.open_norms = pending if pending.names else None
 
 
 def on_prompt(head, trunk, hidden: mx.array, tokens: mx.array, cache) -> None:
-    """Settle ``head``'s open norms (``attach``) on the first pairs of a prompt, when it has open norms, the head's
-    cache is empty and the pairs carry at least ``MIN_POSITIONS`` scored positions; else nothing.
-
-    Args:
-        head: the head module.
-        trunk: the trunk's functions (``decoding.Trunk``).
-        hidden: (1, P, H) trunk hidden states of the prompt's tokens 0..P-1 (the contract's variant).
-        tokens: (P,) the prompt's tokens 1..P (pair i is (h[i], x[i+1])).
-        cache: the head's KV cache, empty (left empty).
-    """
+    """Settle ``head``'s open norms (``attach``) when it has some, its cache is empty and the prompt's pairs carry at
+    least ``MIN_POSITIONS`` scored positions; else nothing. ``hidden``: (1, P, H) trunk hidden states of tokens
+    0..P-1 (the contract's variant); ``tokens``: (P,) tokens 1..P (pair i is (h[i], x[i+1])); ``cache`` left empty."""
     pending = getattr(head, "open_norms", None)
     if pending is None or cache.offset or tokens.size - 1 < MIN_POSITIONS:
         return

@@ -1,1 +1,1 @@
-"""The Hugging Face Hub: heads fetched alone (``fetch``), and where a head-less checkpoint gets one (``card``)."""
+"""The Hugging Face Hub: heads fetched alone, without their trunk (``fetch``)."""

@@ -1,10 +1,6 @@
-"""A head from the Hugging Face Hub without its trunk: ranged reads of the bytes the head's tensors hold.
-
-``head_checkpoint`` gives a local directory that ``checkpoint.find_head`` reads as it reads the repository: its
-config.json and index, and each file holding head tensors reduced to them (same names, dtypes, shapes and
-``__metadata__``; offsets renumbered). Everything goes through huggingface_hub (endpoint, token, cache and offline
-rules).
-"""
+"""A head from the Hugging Face Hub without its trunk: ranged reads of the bytes its tensors hold, kept as a local
+directory ``loading.checkpoint.find_head`` reads like the repository (config.json, index, each head file reduced to
+its head tensors). Every request goes through huggingface_hub. Design: docs/commands.md#graft."""
 
 from __future__ import annotations
 
@@ -54,10 +50,8 @@ def heads_cache() -> Path:
 
 @dataclass
 class RemoteFile:
-    """The head tensors of one file of a repository, from its safetensors header.
-
-    ``entries`` maps each head tensor to its header entry (``dtype``, ``shape``, ``data_offsets`` relative to the data
-    section), ordered by offset; ``data_start`` is where the data section starts in the file (bytes)."""
+    """One repository file's head tensors: ``entries`` their header entries (``data_offsets`` relative to the data
+    section), ordered by offset; ``data_start``: the data section's offset in the file (bytes)."""
 
     name: str
     entries: dict[str, dict]
@@ -94,22 +88,11 @@ class RemoteFile:
 
 
 def head_checkpoint(repo_id: str, revision: str | None = None, check_config=None) -> Path:
-    """A local directory with the head of Hub repository ``repo_id`` (at ``revision``, default its main branch).
-
-    Fetches config.json and the index (``hf_hub_download``), the header of each file that may hold head tensors
-    (``checkpoint.head_files``, and every top-level safetensors file the index does not list) and only the head
-    tensors' bytes (ranged GETs: streamed, retried, resumed, a progress bar in bytes). Kept under
-    ``heads_cache()/models--OWNER--NAME/COMMIT`` (one process fetches at a time: a file lock): a second call fetches
-    no tensor bytes, and works offline; a fetch cut off resumes from its ``.part`` file. Offline, a snapshot of the
-    whole checkpoint in huggingface_hub's cache serves too.
-
-    Args:
-        check_config: called with the repository's config.json (a dict) before any tensor byte is fetched; may raise.
-
-    Raises:
-        HubError: the repository, revision or a file cannot be fetched (offline without the head cached included), or
-            no file holds head tensors.
-    """
+    """A local directory with the head of Hub repository ``repo_id`` at ``revision`` (default: main): config.json, the
+    index and only the head tensors' bytes, kept under ``heads_cache()`` by repository and commit (a second call
+    fetches nothing, offline too; a cut-off fetch resumes). Offline, a cached snapshot of the whole checkpoint serves.
+    ``check_config``: called with config.json (a dict) before any tensor byte is fetched; may raise. HubError: the
+    repository, revision or a file cannot be fetched (offline and uncached included), or no file holds head tensors."""
     from filelock import FileLock
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.file_download import repo_folder_name
@@ -146,11 +129,7 @@ def head_checkpoint(repo_id: str, revision: str | None = None, check_config=None
 
 
 def _head_files(repo_id: str, commit: str, snapshot: Path, config: dict, where: str) -> list[RemoteFile]:
-    """The files of the repository that hold head tensors, from their headers (``_remote_file``).
-
-    Raises:
-        HubError: none does.
-    """
+    """The repository's files holding head tensors, from their headers; HubError when none does."""
     from huggingface_hub import HfApi, hf_hub_download
 
     files = {s.rfilename for s in HfApi().model_info(repo_id, revision=commit).siblings}
@@ -171,12 +150,8 @@ def _head_files(repo_id: str, commit: str, snapshot: Path, config: dict, where: 
 
 
 def model_checkpoint(repo_id: str) -> Path:
-    """The local directory of Hub model ``repo_id``, downloaded as the runtime downloads a model
-    (``mtp_download_model``: mlx-lm's file patterns, huggingface_hub's cache and offline rules).
-
-    Raises:
-        HubError: it cannot be downloaded (offline and not cached included), or no runtime is installed.
-    """
+    """Local directory of Hub model ``repo_id`` as the runtime downloads it (``mtp_download_model``); HubError when it
+    cannot be downloaded (offline and uncached included) or no runtime is installed."""
     try:
         path = hook().mtp_download_model(repo_id=repo_id)
     except Exception as e:  # noqa: BLE001
@@ -220,12 +195,7 @@ def _read_range(url: str, start: int, end: int) -> bytes:
 
 
 def _fetch(repo_id: str, commit: str, remote: RemoteFile, incomplete: Path) -> Path:
-    """Write the reduced file of ``remote`` to ``incomplete/COMMIT--NAME.part``, resuming from the bytes an earlier
-    call left there, with a progress bar in bytes; returns its path once complete.
-
-    Raises:
-        HubError: a run cannot be fetched after ``RETRIES`` tries (each resuming where the last stopped).
-    """
+    """Write ``remote``'s reduced file to ``incomplete/COMMIT--NAME.part``, resuming; its path once complete."""
     from huggingface_hub.utils import tqdm
 
     incomplete.mkdir(parents=True, exist_ok=True)
@@ -254,8 +224,7 @@ def _fetch(repo_id: str, commit: str, remote: RemoteFile, incomplete: Path) -> P
 
 
 def _stream(url: str, write, start: int, end: int, bar=None) -> None:
-    """Pass bytes ``[start, end)`` of ``url`` to ``write``: ranged GETs through huggingface_hub's session (its
-    retries on 429 and 5xx answers), a broken stream resumed from the last byte received, ``RETRIES`` tries.
+    """Bytes ``[start, end)`` of ``url`` to ``write`` by ranged GETs, resumed on transport errors (``RETRIES`` tries).
 
     Raises:
         HubError: the server ignores the Range header, or the stream keeps breaking.
@@ -287,8 +256,8 @@ def _stream(url: str, write, start: int, end: int, bar=None) -> None:
 
 
 def _transient(error: Exception) -> bool:
-    """A network failure to resume after: the HTTP client's transport errors (httpx's ``TransportError``, by name,
-    since huggingface_hub's client library changed its package name) or an OS-level one; never an HTTP status."""
+    """A network error to resume after: OSError, or the HTTP client's ``TransportError`` (matched by name, whichever
+    client huggingface_hub uses); never an HTTP status."""
     from huggingface_hub.errors import HfHubHTTPError
 
     if isinstance(error, HfHubHTTPError):
@@ -297,8 +266,7 @@ def _transient(error: Exception) -> bool:
 
 
 def _publish(folder: Path, commit: str, snapshot: Path, parts: dict[str, Path]) -> Path:
-    """Move the fetched ``parts`` (file name → complete ``.part``) with config.json and the index into
-    ``folder/commit`` (built beside it, then renamed); returns that directory."""
+    """Move ``parts`` (name → ``.part``), config.json and the index into ``folder/commit`` (built, then renamed)."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{commit}.", dir=folder))
     try:
         for name in ("config.json", INDEX):

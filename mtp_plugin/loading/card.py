@@ -42,9 +42,8 @@ def base_model(model_dir: Path, online: bool = False) -> str | None:
 
 
 def graft_command(model_dir: Path, online: bool = False) -> str:
-    """``mtp-plugin graft --recipient R --donor D --out OUT`` for ``model_dir``: R its Hub repo id when it is a Hub
-    snapshot, else the directory; D its model card's base model (``base_model``), else ``PLACEHOLDER``; each quoted
-    for a POSIX shell."""
+    """``mtp-plugin graft --recipient R --donor D --out OUT`` for ``model_dir``, POSIX-quoted: R its Hub repo id (a Hub
+    snapshot) or the directory; D its card's ``base_model``, else ``PLACEHOLDER``."""
     origin = hub_origin(model_dir)
     recipient = origin[0] if origin else str(model_dir)
     donor = base_model(model_dir, online) or PLACEHOLDER

@@ -1,10 +1,6 @@
-"""Find a checkpoint's MTP head: trunk shards (index-listed or not) and sidecars, in every naming form.
-
-Only safetensors headers are read here; tensor data is read on demand, one tensor at a time
-(``mx.load`` is lazy: arrays that are never evaluated are never read from disk).
-This module is also the built-in plugin for reading safetensors files and for the sidecar files every family
-shares.
-"""
+"""Find a checkpoint's MTP head from safetensors headers: trunk shards (index-listed or not) and sidecars, in every
+naming form; tensor data is read on demand (``mx.load`` is lazy). Also the built-in plugin that reads safetensors
+files and names the sidecars every family shares. Design: docs/checkpoints.md."""
 
 from __future__ import annotations
 
@@ -32,11 +28,8 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class HeadTensor:
-    """One stored head tensor.
-
-    ``canonical`` is head-relative (``fc.weight``), ``name`` as stored in ``file``; ``shape`` and
-    ``dtype`` (safetensors code: ``BF16``, ``F32``, ``U32`` …) come from the file header.
-    """
+    """One stored head tensor: ``canonical`` head-relative (``fc.weight``), ``name`` as stored in ``file``;
+    ``shape`` and ``dtype`` (safetensors code: ``BF16``, ``U32`` …) from the file header."""
 
     canonical: str
     name: str
@@ -46,8 +39,7 @@ class HeadTensor:
 
     @property
     def naming(self) -> str:
-        """The naming form: ``mtp.*``, ``language_model.mtp.*``, ``model.mtp.*`` … or ``bare``; for a head stored as
-        an extra decoder layer under its own names, that layer (``model.layers.61.*``)."""
+        """``mtp.*``, ``language_model.mtp.*`` … or ``bare``; an extra decoder layer as ``model.layers.61.*``."""
         prefix = self.name[: len(self.name) - len(self.canonical)] if self.name.endswith(self.canonical) else None
         if prefix is None or any(p.isdigit() for p in prefix.split(".")):
             parts = self.name.split(".")
@@ -58,11 +50,8 @@ class HeadTensor:
 
 @dataclass
 class HeadLocation:
-    """Where a model directory's head lives: its tensors by canonical name, files and declared size.
-
-    ``unusable``: head files that exist (or are named) but cannot be read, one line each (the head cannot load);
-    ``warnings``: what the search skipped without harm to the head (an index it could not use), one line each.
-    """
+    """Where a model directory's head lives. ``unusable``: head files present or named but unreadable (the head
+    cannot load); ``warnings``: what the search skipped without harm (an unusable index); one line each."""
 
     model_dir: Path
     config: dict
@@ -75,13 +64,11 @@ class HeadLocation:
     warnings: list[str] = field(default_factory=list)
 
     def claimed(self) -> set[tuple[Path, str]]:
-        """Every ``(file, stored name)`` the head owns, equal second copies included: none of them is a trunk
-        tensor, and none may reach the runtime's own loading."""
+        """Every ``(file, stored name)`` the head owns, equal copies included: none may reach the runtime's loading."""
         return {(t.file, t.name) for t in [*self.tensors.values(), *self.copies]}
 
     def display(self, path: Path) -> str:
-        """``path`` relative to the model directory when inside it, else as given (a sidecar named by an
-        absolute path in config.json)."""
+        """``path`` relative to the model directory when inside it, else as given."""
         try:
             return str(Path(path).relative_to(self.model_dir))
         except ValueError:
@@ -100,11 +87,8 @@ class HeadLocation:
 
     @property
     def declared_layers(self) -> int:
-        """MTP layers as config.json declares them (``declared_key``), else 0.
-
-        Raises:
-            CheckpointError: a value that is not a non-negative integer; the message names config.json and the key.
-        """
+        """MTP layers config.json declares (``declared_key``), else 0; CheckpointError (naming config.json and the
+        key) for a value that is not a non-negative integer."""
         key = self.declared_key
         if key is None:
             return 0
@@ -116,7 +100,7 @@ class HeadLocation:
 
     @property
     def declared_key(self) -> str | None:
-        """The config.json key (top level or ``text_config``) that declares MTP layers, with a value other than 0:
+        """The config.json key (top level or ``text_config``) declaring a non-zero number of MTP layers:
         ``mtp_num_hidden_layers`` (Qwen3.5) or ``num_nextn_predict_layers`` (DeepSeek-V3); None when neither."""
         return next((key for cfg in (self.config, self.config.get("text_config") or {})
                      for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers") if cfg.get(key)), None)
@@ -138,12 +122,8 @@ class HeadLocation:
 
 
 def read_config(model_dir: Path) -> dict:
-    """config.json of ``model_dir`` as a dict.
-
-    Raises:
-        CheckpointError: config.json is missing, unreadable, not valid JSON, or it or its ``text_config`` not a JSON
-            object; the message names the file and the fix.
-    """
+    """config.json of ``model_dir`` as a dict; CheckpointError (naming the file and the fix) when it is missing,
+    unreadable or not JSON, or it or its ``text_config`` is not an object."""
     path = Path(model_dir) / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -164,13 +144,8 @@ def read_config(model_dir: Path) -> dict:
 
 
 def check_weight_files(model_dir: Path) -> None:
-    """Read the header of every ``.safetensors`` file of ``model_dir`` (its top level and ``mtp/``), which also checks
-    that the file holds every tensor its header lists.
-
-    Raises:
-        CheckpointError: the first file that cannot be read or is cut short (a truncated download), named with the
-            fix.
-    """
+    """Read every ``.safetensors`` header of ``model_dir`` (top level and ``mtp/``); CheckpointError, naming the fix,
+    for the first file that cannot be read or is cut short."""
     model_dir = Path(model_dir)
     for path in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("mtp/*.safetensors")):
         if path.is_file():
@@ -178,16 +153,9 @@ def check_weight_files(model_dir: Path) -> None:
 
 
 def read_index(model_dir: Path) -> tuple[dict | None, str | None]:
-    """``model.safetensors.index.json`` of ``model_dir`` and what is wrong with it; never raises.
-
-    mlx-lm never reads the index (it globs ``model*.safetensors``) and mlx-vlm falls back to its own glob, so an
-    index is only a list of files to search, and a broken one must not stop a load.
-
-    Returns:
-        ``(data, problem)``: ``data`` the parsed index when it is a JSON object whose ``weight_map`` (if any) is an
-        object, else None (no index, or one that cannot be used); ``problem`` says what is wrong (an unusable index,
-        or the first ``weight_map`` entry that is not a file name), without the file's name; None when nothing is.
-    """
+    """``(data, problem)`` for ``model.safetensors.index.json`` of ``model_dir``; never raises. ``data``: the index
+    when it is an object whose ``weight_map`` (if any) is an object, else None; ``problem``: what is wrong (an unusable
+    index, or the first ``weight_map`` entry that is not a file name) without the file's name, else None."""
     path = Path(model_dir) / INDEX
     if not path.exists():
         return None, None
@@ -209,9 +177,7 @@ def read_index(model_dir: Path) -> tuple[dict | None, str | None]:
 
 
 def _candidate_files(model_dir: Path, config: dict, loc: HeadLocation) -> tuple[list[Path], list[Path]]:
-    """(files that may mix trunk and head tensors, named sidecar files that exist); a sidecar path that
-    exists but cannot be read, or that config.json names but is absent, is described in ``loc.unusable``; an
-    index that cannot be used (``read_index``) in ``loc.warnings``: the search goes on by file names."""
+    """(shards, existing sidecars); unreadable head files go to ``loc.unusable``, an unusable index to warnings."""
     shards = set(model_dir.glob("*.safetensors"))
     index, index_problem = read_index(model_dir)
     if index is not None:
@@ -235,10 +201,8 @@ def _candidate_files(model_dir: Path, config: dict, loc: HeadLocation) -> tuple[
 
 
 def head_files(model_dir: Path) -> list[str]:
-    """Names, relative to ``model_dir``, of the files that may hold the head of the checkpoint whose config.json (and
-    index, if any) are in ``model_dir``: the sidecar paths the families name (``mtp_sidecar_paths``), whether they
-    exist or not, and the shards the index maps head tensors to (``mtp_head_name``). Empty for a model type no family
-    handles, or when config.json is missing or unreadable."""
+    """Names, relative to ``model_dir``, of files that may hold the head: the families' sidecar paths (existing or
+    not) and the shards the index maps head tensors to. Empty for an unhandled model type or unreadable config.json."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
         index = json.loads((model_dir / INDEX).read_text()) if (model_dir / INDEX).exists() else {}
@@ -254,8 +218,8 @@ def head_files(model_dir: Path) -> list[str]:
 
 
 def unreadable_file(path: Path, named: bool = False) -> str | None:
-    """Why a head file at ``path`` cannot be read, ``""`` when it simply does not exist (and need not: not
-    ``named`` by config.json), or None when it is a readable regular file."""
+    """Why the head file ``path`` cannot be read; ``""`` when absent and not ``named`` by config.json; None when
+    readable."""
     if path.is_file():
         if not os.access(path, os.R_OK):
             return "not readable (permission denied); fix its permissions (chmod a+r)"
@@ -271,19 +235,11 @@ def unreadable_file(path: Path, named: bool = False) -> str | None:
 
 
 def find_head(model_dir: Path, config: dict | None = None) -> HeadLocation:
-    """Locate every head tensor of ``model_dir`` from file headers alone.
-
-    A file named by a sidecar hook may use bare names (``fc.weight``); any other file whose every
-    tensor is a bare head name is taken as a sidecar too.
-
-    One head tensor stored twice (under two prefixes, in one file or two) is kept once when both
-    copies are equal (shape, dtype and values; only then is any tensor data read here).
-
-    An index that cannot be used never raises: it is reported in ``warnings`` and the search goes on.
+    """Locate every head tensor of ``model_dir`` from file headers. Any file whose every tensor has a bare head name
+    is a sidecar; a tensor stored twice is kept once when the copies are equal (only then is tensor data read).
 
     Raises:
-        CheckpointError: bad config.json, an unreadable weights file, or one head tensor stored twice with
-            different values (the message names both copies and their files).
+        CheckpointError: bad config.json, an unreadable weights file, or two differing copies of a head tensor.
     """
     model_dir = Path(model_dir)
     config = read_config(model_dir) if config is None else config
@@ -312,9 +268,8 @@ def find_head(model_dir: Path, config: dict | None = None) -> HeadLocation:
 
 
 def head_tensors(path: Path, names: dict, config: dict, sidecar: bool) -> list[HeadTensor]:
-    """The head tensors among ``names`` (``{name: (shape, dtype)}``, the header of ``path``): a sidecar's under the
-    names a sidecar may use; a shard's under the trunk's names, or, when it has none, under a sidecar's names if
-    every tensor of the file is one (a head file under any name)."""
+    """Head tensors among ``names`` (``{name: (shape, dtype)}``, the header of ``path``): a sidecar's under sidecar
+    names; a shard's under trunk names, else under sidecar names when every tensor of the file is one."""
     found = _head_tensors(path, names, config, sidecar)
     if not found and not sidecar:
         found = _head_tensors(path, names, config, sidecar=True)
@@ -334,11 +289,7 @@ def _head_tensors(path: Path, names: dict, config: dict, sidecar: bool) -> list[
 
 
 def _check_same(first: HeadTensor, second: HeadTensor) -> None:
-    """Accept a second copy of a head tensor only when it equals the first.
-
-    Raises:
-        CheckpointError: the copies differ; the message names both.
-    """
+    """Raise CheckpointError, naming both, unless a second copy of a head tensor equals the first."""
     same = first.shape == second.shape and first.dtype == second.dtype
     if same:
         a = hook().mtp_load_sidecar(path=first.file, names=[first.name])
@@ -352,11 +303,8 @@ def _check_same(first: HeadTensor, second: HeadTensor) -> None:
 
 
 def load_tensors(tensors: list[HeadTensor]) -> dict:
-    """The data of ``tensors`` as ``{canonical: mx.array}`` in their stored dtypes, read through the hooks.
-
-    Raises:
-        CheckpointError: a file no plugin can read, or a tensor missing from its file.
-    """
+    """``{canonical: mx.array}`` of ``tensors`` in stored dtypes, read through the hooks; CheckpointError for a file
+    no plugin reads or a tensor missing from its file."""
     by_file: dict[Path, list[HeadTensor]] = {}
     for t in tensors:
         by_file.setdefault(t.file, []).append(t)
@@ -383,17 +331,9 @@ def trunk_headers(location: HeadLocation) -> dict[tuple[Path, str], tuple]:
 
 
 def file_conventions(location: HeadLocation) -> dict[Path, tuple[str, str]]:
-    """The norm convention each head file's own evidence gives its head norms, with that evidence.
-
-    * a file that also holds trunk tensors: the head was stored with that trunk and shares its convention;
-      the trunk's own norms in that file say which (negative entries: zero-centred), else the family's reading
-      of the file's layout (``mtp_stored_norm_convention``; e.g. Qwen3.5's original Hugging Face layout:
-      zero-centred, an MLX conversion: absolute);
-    * a head-only file written by PyTorch (safetensors metadata ``format: pt``): the original checkpoint's
-      convention (the same hook; Qwen3.5: zero-centred).
-
-    Files with no such evidence (a sidecar written by MLX without ``mtp_norm_convention``) are absent.
-    """
+    """``{file: (convention, evidence)}`` each head file's own evidence gives its head norms: a file with trunk
+    tensors shares its trunk's convention (negative trunk norms: zero-centred, else ``mtp_stored_norm_convention`` of
+    the layout), a head-only PyTorch file (``format: pt``) the original's. Files without evidence are absent."""
     headers = trunk_headers(location)
     out = {}
     for path in location.files:
@@ -423,9 +363,8 @@ def file_conventions(location: HeadLocation) -> dict[Path, tuple[str, str]]:
 
 @hookimpl
 def mtp_sidecar_paths(model_dir, config):
-    """For every handled model type, the sidecar files runtimes write (``graft.LAYOUTS``: ours and mtplx's
-    ``mtp.safetensors``, mlx-serve's ``mtp/weights.safetensors``, omlx's ``model-mtp.safetensors``) and a file that
-    config.json (or its ``text_config``) names under ``mtp_sidecar`` / ``mtp_file`` / ``mtp_weights``."""
+    """For a handled model type: the sidecars runtimes write (``SIDECAR_NAMES``, ``commands.graft.LAYOUTS``) and a
+    file config.json (or its ``text_config``) names under ``CONFIG_KEYS``."""
     if config.get("model_type") not in sum(hook().mtp_model_types(), []):
         return []
     paths = [model_dir / n for n in SIDECAR_NAMES]

@@ -1,11 +1,6 @@
-"""Is a head trained or random initialisation? Tells that need no inference (seed 003):
-
-* norm weights still at their initial constant (every entry equal: 0 zero-centred, 1 absolute);
-* every projection distributed as an initializer draws it: Gaussian (Pearson kurtosis ≈ 3: normal or
-  truncated-normal init, whatever the std of each tensor, so GPT-2-style residual projections scaled
-  down are covered) or uniform (kurtosis ≈ 1.8: MLX's default ``nn.Linear`` init, Xavier/Kaiming uniform).
-Trained projections are heavy-tailed: at least one tensor sits well above 3 (trained heads: 3.6-15).
-"""
+"""Is a head trained or random initialisation, without inference: norm weights still constant, or every projection
+distributed as an initializer draws it (Pearson kurtosis ≈ 3: Gaussian; ≈ 1.8: uniform), mean initializer noise;
+trained projections are heavy-tailed. Design: docs/commands.md#inspect."""
 
 from __future__ import annotations
 
@@ -36,7 +31,7 @@ def kurtosis(values: np.ndarray) -> float:
     v = np.asarray(values, dtype=np.float64).ravel()
     v = v[:: max(1, v.size // SAMPLE)]
     centred = v - v.mean()
-    squares = centred * centred  # products: numpy's ``**4`` is several times slower
+    squares = centred * centred  # products: faster than numpy's ``**4``
     var = float(squares.mean())
     return float((squares * squares).mean() / var**2) if var > 0 else 0.0
 
@@ -57,18 +52,9 @@ def judge(norms: dict[str, np.ndarray], projections: dict[str, np.ndarray]) -> V
 
 
 def head_statistics(weights: dict, norm_names, in_features: dict[str, int]) -> tuple[dict, dict, dict]:
-    """What ``judge`` reads from a head: ``(norms, projections, labels)``.
-
-    Args:
-        weights: ``{canonical: mx.array}`` of a validated head (quantized linears as weight/scales/biases).
-        norm_names: the canonical names of its RMSNorm weights.
-        in_features: input width per linear module (``validation.linear_in_features``).
-
-    Returns:
-        norms and projections (dequantized; up to ``SAMPLE`` evenly spaced entries) as float32 numpy
-        arrays by name and module, and the quantization of each linear module as ``quantization_of`` reads
-        it (None: a float weight).
-    """
+    """``(norms, projections, labels)`` for ``judge`` from a validated head's ``weights`` (quantized linears as
+    weight/scales/biases): float32 numpy norms and dequantized projections (up to ``SAMPLE`` evenly spaced entries),
+    and each linear module's ``quantization_of`` (None: float). ``in_features``: ``validation.linear_in_features``."""
     norms = {n: np.array(weights[n].astype(mx.float32)) for n in norm_names}
     projections, labels = {}, {}
     for name, value in weights.items():
@@ -85,8 +71,7 @@ def head_statistics(weights: dict, norm_names, in_features: dict[str, int]) -> t
 
 
 def _sampled_rows(weight: mx.array, scales, biases, q: dict | None) -> np.ndarray:
-    """Evenly spaced rows of a (possibly quantized, possibly stacked) weight, about ``SAMPLE`` entries,
-    dequantized to float32: only those rows are dequantized, so the cost does not grow with the head."""
+    """About ``SAMPLE`` evenly spaced entries (whole rows, only those dequantized) of a weight, flat float32."""
     rows = weight.reshape(-1, weight.shape[-1])
     width = rows.shape[-1] * (32 // q["bits"] if q and 32 % q["bits"] == 0 else 1)
     step = max(1, rows.shape[0] * width // SAMPLE)

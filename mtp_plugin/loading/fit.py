@@ -1,10 +1,6 @@
-"""One definition of "this head fits this trunk", shared by ``inspect`` and ``graft``.
-
-Two checkpoints can share a head when their text configs agree on every field in ``FIELDS`` and
-their trunks use the same base quantization scheme (bits, group size, mode): a head tuned on one
-conversion reads that conversion's hidden states. An unquantized donor (the original checkpoint the
-head was trained with) fits every quantization of the same base model.
-"""
+"""One definition of "this head fits this trunk", shared by ``inspect`` and ``graft``: text configs that agree on
+``FIELDS`` and trunks of the same base quantization scheme; an unquantized donor fits every quantization of its base
+model. Design: docs/checkpoints.md#a-head-for-a-converted-model."""
 
 from __future__ import annotations
 
@@ -26,12 +22,8 @@ def quantization_scheme(config: dict) -> str:
 
 
 def mismatches(recipient: dict, donor: dict) -> list[str]:
-    """Every way in which ``donor``'s head cannot serve ``recipient``'s trunk, as readable lines.
-
-    Args:
-        recipient: the recipient's config.json.
-        donor: the donor checkpoint's config.json (a head-only donor: use ``head_config``).
-    """
+    """Every way ``donor``'s head cannot serve ``recipient``'s trunk, one line each; both are config.json dicts (for a
+    head-only donor, ``head_config``)."""
     r, d = text_config(recipient), text_config(donor)
     out = [f"{f}: recipient {r.get(f)} vs donor {d.get(f)}" for f in FIELDS
            if f in d and r.get(f, d[f]) != d[f]]
@@ -45,10 +37,6 @@ def mismatches(recipient: dict, donor: dict) -> list[str]:
 
 
 def head_config(shapes: dict[str, tuple]) -> dict:
-    """What a head's own tensors say about its trunk (``hidden_size``, from its norms), as a donor config.
-
-    Args:
-        shapes: canonical head tensor name → shape.
-    """
+    """A donor config from a head's own ``{canonical: shape}``: ``hidden_size`` from its norms, scheme unknown."""
     hidden = shapes.get("pre_fc_norm_hidden.weight", shapes.get("norm.weight", (None,)))[0]
     return {"hidden_size": hidden, "quantization_scheme": "unknown"}

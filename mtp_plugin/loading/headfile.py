@@ -1,9 +1,6 @@
-"""A head as a standalone artifact: normalised tensors (canonical names, absolute norms) and atomic writes.
-
-Our own head files record what the loader needs in their safetensors metadata: ``format`` (mlx),
-``mtp_norm_convention`` (``absolute``: every norm folded), ``mtp_contract`` (JSON) and
-``mtp_quantization`` (JSON: module → ``int4/g64`` …).
-"""
+"""A head as a standalone artifact: normalised tensors (canonical names, absolute norms) and atomic writes. Our head
+files carry safetensors metadata ``format`` (mlx), ``mtp_norm_convention`` (``absolute``), ``mtp_contract`` (JSON)
+and ``mtp_quantization`` (JSON: module → ``int4/g64`` …)."""
 
 from __future__ import annotations
 
@@ -35,12 +32,8 @@ ROUTERS = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")  # kept at 8 bits
 
 
 def normalised_head(location: HeadLocation) -> tuple[dict, dict[str, NormDecision]]:
-    """The head of ``location`` with canonical names, experts stacked and every RMSNorm folded to absolute.
-
-    Returns:
-        ``(weights, decisions)``: ``{canonical: mx.array}`` in stored dtypes (norm arithmetic in float32)
-        and the convention decided per norm tensor.
-    """
+    """``(weights, decisions)`` of ``location``'s head: ``{canonical: mx.array}`` in stored dtypes, experts stacked,
+    every RMSNorm folded to absolute (in float32); and the ``NormDecision`` per norm tensor."""
     weights = load_tensors(list(location.tensors.values()))
     weights = hook().mtp_sanitize_head(weights=weights, config=location.config) or weights
     by_file = file_conventions(location)
@@ -58,16 +51,9 @@ def normalised_head(location: HeadLocation) -> tuple[dict, dict[str, NormDecisio
 
 
 def quantize_head(weights: dict, bits: int, group_size: int, linear: dict[str, int]) -> dict:
-    """Affine-quantize every float weight of a head's linear modules with ``mx.quantize`` (router gates at 8 bits).
-
-    Args:
-        linear: the head's linear modules and their input widths (``validation.linear_in_features``); other
-            weights (norms, DeepSeek's router ``mlp.gate``, which is no linear module and stays float as mlx-lm
-            keeps it) and already-quantized ones are kept. ``bits=16`` keeps floats (cast to bfloat16).
-
-    Raises:
-        ValueError: an input width not divisible by ``group_size``.
-    """
+    """Affine-quantize (``mx.quantize``) every float weight of the ``linear`` modules (module → input width), router
+    gates at 8 bits; ``bits=16`` casts to bfloat16. Other weights (norms, DeepSeek's router ``mlp.gate``) and quantized
+    ones are kept. ValueError: an input width not divisible by ``group_size``."""
     out = {}
     for name, value in weights.items():
         module = name[: -len(".weight")]
@@ -103,9 +89,7 @@ def head_metadata(contract: Contract, labels: dict[str, str]) -> dict[str, str]:
 
 
 def write_atomically(path: Path, tensors: dict, metadata: dict) -> None:
-    """Write a safetensors file atomically (``files.atomic_write``), creating its parent directories.
-
-    A failure leaves no partial file; replacing an existing hard link never writes into its other names.
-    """
+    """Write a safetensors file atomically (``files.atomic_write``), creating parent directories: a failure leaves no
+    partial file, and replacing a hard link never writes into its other names."""
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: mx.save_safetensors(str(tmp), tensors, metadata=metadata), ".safetensors")

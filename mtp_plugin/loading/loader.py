@@ -27,24 +27,12 @@ log = logging.getLogger("mtp_plugin")
 
 @dataclass
 class LoadedHead:
-    """A head ready for drafting, with the decisions made while loading it.
-
-    Attributes:
-        module: the ``MTPHead`` (weights loaded, norms absolute, quantized as stored).
-        location: where its tensors came from.
-        norms: convention decided per RMSNorm weight (canonical name → decision); those the files leave open are
-            settled by the first prompt with enough evidence (``settle.py``).
-        quantization: label per linear module path (``int4/g64``, ``bf16`` …).
-        stats: counters of the last generation that used this head, or None.
-        controller: the adaptive depth controller (``controller.DepthController``) of automatic-depth
-            generations, created by the first and kept for the next ones (``options.depth_policy``).
-        sampled_controller: the same for sampled generations (their acceptance is not greedy's).
-        health: lifetime acceptance of the head and whether it is parked (``health.HeadHealth``).
-        batching: a runtime adapter's state for batched MTP decoding with this head (e.g. its depth
-            policies per batch size), created on first use and kept across batches.
-        draft_vocab: the tuned subset of the vocabulary the head drafts from (``draft_vocab.DraftVocabulary``), or
-            None: the full vocabulary.
-    """
+    """A head ready for drafting and the decisions made loading it. ``module``: the ``MTPHead`` (norms absolute,
+    quantized as stored); ``norms``: ``NormDecision`` per RMSNorm weight (open ones: ``head/norm_settling.py``);
+    ``quantization``: label per linear module (``int4/g64``, ``bf16`` …); ``stats``: the last generation's counters;
+    ``controller`` / ``sampled_controller``: the ``decoding.controller.DepthController`` of automatic-depth greedy /
+    sampled generations, kept across generations (``options.depth_policy``); ``batching``: a runtime adapter's
+    batched-MTP state, kept across batches; ``draft_vocab``: ``head.draft_vocab.DraftVocabulary`` or None (full)."""
 
     module: nn.Module
     location: HeadLocation
@@ -62,8 +50,7 @@ class LoadedHead:
             self.health = HeadHealth(", ".join(map(str, self.location.files)))
 
     def summary(self) -> str:
-        """One line: where the head came from, its naming, quantization and norm conventions (and why it is
-        parked, if it is)."""
+        """One line: the head's files, naming, quantization, norm conventions, draft vocabulary, why it is parked."""
         files = ", ".join(self.location.display(f) for f in self.location.files)
         quant = ",".join(sorted(set(self.quantization.values())))
         zero = sum(d.convention == ZERO_CENTRED for d in self.norms.values())
@@ -76,9 +63,8 @@ class LoadedHead:
 
 
 def locate_head(model_dir: Path) -> HeadLocation | None:
-    """The head of ``model_dir`` as ``find_head`` locates it (file headers only), for a runtime about to load the
-    trunk; None when config.json cannot be read, no plugin handles the model type or the head cannot be located.
-    Never raises."""
+    """``find_head``'s location of ``model_dir``'s head, for a runtime about to load the trunk; None when config.json
+    cannot be read, the model type is unhandled or the head cannot be located. Never raises."""
     try:
         config = read_config(Path(model_dir))
         if config.get("model_type") not in sum(hook().mtp_model_types(), []):
@@ -90,18 +76,9 @@ def locate_head(model_dir: Path) -> HeadLocation | None:
 
 def load_head(model: nn.Module, model_dir: Path, config: dict, location: HeadLocation | None = None
               ) -> LoadedHead | None:
-    """Load the head of ``model_dir`` for trunk ``model`` (at ``location`` when ``locate_head`` found it already);
-    None when the directory carries no head, or when no plugin handles its model type (its files are then not even
-    read).
-
-    What the search skipped without harm (an index it could not use) is logged as one warning, or, when the head
-    is refused, joins the error's message, so that a load warns once.
-
-    Raises:
-        CheckpointError: every problem ``validation.validate`` finds (head files that cannot be read, metadata
-            that does not parse, parameters of the head module missing, misshapen or unknown, values not finite);
-            the message names the file and the tensor or key.
-    """
+    """Load the head of ``model_dir`` for trunk ``model`` (at ``location`` if ``locate_head`` found it); None without a
+    head or for an unhandled model type (files unread). CheckpointError: every problem ``validation.validate`` finds,
+    naming file and tensor or key; what the search skipped harmlessly joins it, else is one warning."""
     if config.get("model_type") not in sum(hook().mtp_model_types(), []):
         return None
     location = location or find_head(Path(model_dir), config)
@@ -128,8 +105,7 @@ def _warn(location: HeadLocation) -> None:
 
 
 def _warn_if_dropped(location: HeadLocation) -> None:
-    """One warning when config.json declares MTP layers and no file holds a head tensor, naming the command that
-    gets one (``card.graft_command``)."""
+    """One warning when config.json declares MTP layers but no file holds a head, naming ``card.graft_command``."""
     try:
         declared = location.declared_layers
     except CheckpointError:
@@ -151,13 +127,9 @@ def _warn_if_random(location: HeadLocation, validation: Validation) -> None:
 
 def attach_head(model: nn.Module, model_dir: Path, config: dict, location: HeadLocation | None = None
                 ) -> LoadedHead | None:
-    """Load the head of ``model_dir`` and keep it on ``model.mtp_head`` (a plain attribute, not a child).
-
-    Norm conventions that the files leave open are kept open, read as stored, for the first prompt with enough
-    evidence to settle them (``norm_settling.attach``); a draft vocabulary recorded by ``mtp-plugin tune`` is attached
-    (``draft_vocab.attach``).
-    Never raises for a bad head: the trunk stays usable, the problem is logged once as a warning.
-    """
+    """Load the head of ``model_dir`` onto ``model.mtp_head`` (a plain attribute, not a child) with its open norms
+    (``norm_settling.attach``) and tuned draft vocabulary (``draft_vocab.attach``). Never raises for a bad head: one
+    warning, ``mtp_head`` None, the trunk usable."""
     try:
         model.mtp_head = load_head(model, model_dir, config, location)
         if model.mtp_head is not None:

@@ -1,15 +1,6 @@
-"""One validation of a head, used by the loader (which refuses the head), ``inspect`` (which says why), and
-``graft`` / ``extract`` (which refuse to write a head that would not load).
-
-Checked from config.json, the head's metadata and its own tensors: metadata that parses (``mtp_contract``,
-``mtp_norm_convention``, ``mtp_num_hidden_layers``); head files that exist and can be read; and the head's
-structure against the head module the loader builds (``mtp_build_head``; outside a load on an unloaded model of
-the runtime's class, ``mtp_build_model``, whose arrays mlx never allocates): every parameter of that module
-present with its shape, nothing it does not have, linear modules either float or packed with scales that fit a
-bit width and group size (the module is quantized like them, as the loader does); every float value finite.
-Nothing about the head's parameters is listed anywhere else: names, shapes and input widths all come from the
-built module. Each problem names the file and the tensor or key, and the fix.
-"""
+"""One validation of a head, for the loader (which refuses the head), ``inspect`` (which says why) and ``graft`` /
+``extract`` (which refuse to write it): metadata, head files, and the head's tensors against the module the loader
+builds. Each problem names the file and the tensor or key, and the fix. Design: docs/checkpoints.md#validation."""
 
 from __future__ import annotations
 
@@ -41,16 +32,9 @@ LISTED = 4  # names quoted in one problem line before "…"
 
 @dataclass
 class Validation:
-    """What ``validate`` found.
-
-    Attributes:
-        problems: one line per problem (empty: the head loads).
-        weights: the normalised head (``headfile.normalised_head``: canonical names, built layout, norms absolute),
-            or None when it could not be read.
-        norms: the convention decided per RMSNorm weight.
-        quantization: label per linear module as stored (``int4/g64``, ``bf16`` …).
-        in_features: input width per linear module of the built head (any module with ``to_quantized``).
-    """
+    """What ``validate`` found: ``problems``, one line each (empty: the head loads); ``weights``: the normalised head
+    (``headfile.normalised_head``) or None when unread; ``norms``: decision per RMSNorm weight; ``quantization``: label
+    per linear module as stored; ``in_features``: input width per quantizable module of the built head."""
 
     problems: list[str]
     weights: dict | None = None
@@ -91,13 +75,9 @@ def _norm_key_problems(location: HeadLocation, raw) -> list[str]:
 
 
 def expected_head(config: dict, config_file: Path) -> nn.Module:
-    """The head module the loader builds for a checkpoint of ``config`` (float, unloaded), from an unloaded model of
-    the installed runtime's class (``mtp_build_model``: lazy arrays, nothing allocated, no weights read).
-
-    Raises:
-        CheckpointError: no installed runtime builds the model or its head, or the runtime cannot build the model
-            from ``config``; the message names ``config_file``.
-    """
+    """The float, unloaded head module the loader builds for ``config``, from an unloaded model of the runtime's class
+    (``mtp_build_model``: nothing allocated or read). CheckpointError naming ``config_file``: no installed runtime
+    builds the model or its head, or it cannot build the model from ``config``."""
     model_type = config.get("model_type")
     try:
         model = hook().mtp_build_model(config=config)
@@ -112,25 +92,16 @@ def expected_head(config: dict, config_file: Path) -> nn.Module:
 
 
 def linear_in_features(head: nn.Module) -> dict[str, int]:
-    """Input width of every module of ``head`` that can be quantized (``to_quantized``: linear, switch and multi
-    linear layers), by canonical path; read from the float module before any quantization."""
+    """Input width of every quantizable (``to_quantized``) module of the float ``head``, by canonical path."""
     leaves = tree_flatten(head.leaf_modules(), is_leaf=nn.Module.is_module)
     return {path: module.weight.shape[-1] for path, module in leaves if hasattr(module, "to_quantized")}
 
 
 def structure_problems(location: HeadLocation, head: nn.Module, weights: dict) -> tuple[list[str], dict[str, str]]:
-    """Compare the head's tensors with the parameters of ``head`` (the built module), quantizing ``head`` in place
-    like the stored weights (per module bits and group size from the packed shapes), as the loader must.
-
-    Args:
-        location: where the tensors came from (names and files for the messages; config.json).
-        head: the float head module ``mtp_build_head`` built; modified in place.
-        weights: ``{canonical: mx.array}`` after the family's sanitize.
-
-    Returns:
-        ``(problems, labels)``: one line per problem naming the file and tensor (missing parameters, unknown
-        tensors, shapes, packed weights without scales), and a quantization label per linear module.
-    """
+    """Check ``weights`` (``{canonical: mx.array}`` after the family's sanitize) against the parameters of the float
+    ``head``, quantizing ``head`` in place like the stored weights (bits, group size from packed shapes). Returns
+    ``(problems, labels)``: a line per missing, unknown, misshapen or mis-stored tensor naming file and tensor, and a
+    quantization label per linear module."""
     problems, labels, broken = [], {}, set()
 
     def where(name: str) -> str:
@@ -223,10 +194,7 @@ def _unknown_problems(location: HeadLocation, unknown: list[str], expected: dict
 
 
 def _nonfinite(weights: dict, location: HeadLocation) -> list[str]:
-    """A problem per float tensor holding NaN or Inf; every tensor is read (evaluated) here, all in one evaluation.
-
-    A tensor whose sum is finite holds neither (NaN and ±Inf propagate into a sum); only one whose sum is not (an
-    overflow, or a bad entry) is checked entry by entry, so no temporary as large as a tensor is made."""
+    """A problem per float tensor holding NaN or Inf; one evaluation, entries checked only where a sum is not finite."""
     totals = {k: v.sum() for k, v in weights.items() if mx.issubdtype(v.dtype, mx.floating)}
     mx.eval(list(weights.values()), list(totals.values()))
     bad = sorted(k for k, total in totals.items() if not mx.isfinite(total).item()
@@ -250,17 +218,9 @@ def _trunk_norm_sizes(location: HeadLocation) -> dict[str, int]:
 
 
 def validate(location: HeadLocation, head: nn.Module | None = None) -> Validation:
-    """Validate the head of ``location`` against the head module and, when its metadata allows, read it.
-
-    Args:
-        location: the head found (``checkpoint.find_head``).
-        head: the float head module the loader built for its trunk (quantized in place like the stored weights,
-            ready for ``load_weights``); None: built from ``location.config`` (``expected_head``), e.g. for inspect.
-
-    Returns:
-        A ``Validation``: every problem found (empty: the head loads) and, when the head could be read, its
-        normalised weights, norm decisions, quantization labels and the built module's input widths.
-    """
+    """Validate the head of ``location`` (``checkpoint.find_head``) against ``head``, the float module the loader built
+    for its trunk (quantized in place like the stored weights, ready for ``load_weights``; None: ``expected_head``),
+    and read it when its metadata allows."""
     problems = metadata_problems(location)
     if problems or not location.tensors:
         return Validation(problems)
