@@ -107,3 +107,22 @@ def test_the_layout_names_every_module(folder):
 
 def test_the_package_keeps_few_modules_flat():
     assert len(list((REPO / "mtp_plugin").glob("*.py"))) <= 25
+
+
+def docstring_lines(path: Path) -> int:
+    """Lines of the module's, classes' and functions' docstrings in ``path``."""
+    count = 0
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
+                                                                                                    str):
+                count += first.end_lineno - first.lineno + 1
+    return count
+
+
+def test_docstrings_state_contracts_not_essays():
+    """Docstrings at most 20 % of the package's lines (design rationale belongs in docs/)."""
+    paths = list(sources().values())
+    share = sum(map(docstring_lines, paths)) / sum(len(p.read_text().splitlines()) for p in paths)
+    assert share <= 0.20, f"docstrings are {share:.0%} of the package's lines"

@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm import load
+from mlx_lm.sample_utils import make_sampler
 
 from mtp_plugin import tuning
 from mtp_plugin.commands import measure
@@ -89,12 +90,27 @@ def test_automatic_depth_controller_kept_across_generations(model_dir):
     measured = []
     for _ in range(2):
         list(generate_step(mx.array(tokenizer.encode("def f(x):\n")), model, max_tokens=12))
-        controller = model.mtp_head.controller
+        controller = model.mtp_head.controllers[0.0]
         measured.append((controller, sum(len(c) for c in controller.costs)))
     (first, before), (second, after) = measured
     assert second is first and after > before  # the second generation went on from the first's measurements
     list(generate_step(mx.array(tokenizer.encode("x")), model, max_tokens=4, mtp_depth=2))
-    assert model.mtp_head.controller is first  # a fixed depth leaves it alone
+    assert model.mtp_head.controllers == {0.0: first}  # a fixed depth leaves it alone
+
+
+def test_each_temperature_keeps_its_own_controller(model_dir):
+    """Acceptance, and with it the best depth, changes with the temperature: one controller per temperature."""
+    model, tokenizer = load(str(model_dir))
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    prompt = mx.array(tokenizer.encode("def f(x):\n"))
+    seen = []
+    for temperature in (0.7, 1.0, 0.0, 0.7, 0.72):
+        sampler = make_sampler(temperature) if temperature else None
+        list(generate_step(prompt, model, max_tokens=8, sampler=sampler))
+        seen.append(dict(model.mtp_head.controllers))
+    assert list(seen[2]) == [0.7, 1.0, 0.0]
+    assert len({id(c) for c in seen[2].values()}) == 3
+    assert seen[4] == seen[2]  # 0.7 again, and 0.72 (rounded to 0.7), went on with the first 0.7 controller
 
 
 def test_efficiency_from_measured_parts():

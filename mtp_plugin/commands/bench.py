@@ -116,7 +116,7 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
     candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}, "adaptive": 0}
     rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats,
                                         "bench"))
-    controller = model.mtp_head.controller  # the adaptive row's, kept across its generations
+    controller = model.mtp_head.controllers.get(0.0)  # the adaptive (greedy) row's, kept across its generations
     adaptive = controller.report() if hasattr(controller, "report") else None
     tuned = model.mtp_head.draft_vocab
     subset = tuned or _cost_subset(model)

@@ -47,11 +47,11 @@ def resolve(enabled=None, depth=None, lookup=None) -> MTPOptions:
     return _command_line.over(enabled, depth, lookup)
 
 
-def depth_policy(depth, loaded, sampled: bool = False):
+def depth_policy(depth, loaded, temperature: float = 0.0):
     """The loop's ``depth`` option: a fixed depth 1..8 or a policy (``next_depth()``, ``observe()``) as given; 0 or
-    None: the adaptive ``DepthController`` of ``loaded`` (a ``loading.loader.LoadedHead``; one for greedy, one for
-    ``sampled`` generations), made on first use at the tuned depth (else the default) and kept across generations.
-    Raises ValueError for any other ``depth`` (bool, str and float included)."""
+    None: the adaptive ``DepthController`` of ``loaded`` (a ``loading.loader.LoadedHead``) for the sampling
+    ``temperature`` rounded to 0.1 (0.0: greedy), made on first use at the tuned depth (else the default) and kept
+    across generations. Raises ValueError for any other ``depth`` (bool, str and float included)."""
     policy = hasattr(depth, "next_depth") and hasattr(depth, "observe")
     integer = isinstance(depth, numbers.Integral) and not isinstance(depth, bool)
     if not (depth is None or policy or (integer and 0 <= depth <= MAX_DEPTH)):
@@ -59,7 +59,8 @@ def depth_policy(depth, loaded, sampled: bool = False):
                          f"depth policy with next_depth() and observe(); got {depth!r}")
     if depth:
         return depth if policy else int(depth)
-    name = "sampled_controller" if sampled else "controller"
-    if getattr(loaded, name) is None:
-        setattr(loaded, name, DepthController(tuning.start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)))
-    return getattr(loaded, name)
+    key = round(float(temperature), 1)
+    if key not in loaded.controllers:
+        start = tuning.start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
+        loaded.controllers[key] = DepthController(start)
+    return loaded.controllers[key]
