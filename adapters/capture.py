@@ -28,7 +28,7 @@ def capture_conv_window(call):
         kernel = self.conv_kernel_size
         self.conv_kernel_size = kernel + inputs.shape[1]
         try:
-            with recorder.layer(cache, window=kernel - 1):
+            with recorder.layer(cache, window=kernel - 1, owner=self):
                 return call(self, inputs, mask, cache, **kwargs)
         finally:
             self.conv_kernel_size = kernel

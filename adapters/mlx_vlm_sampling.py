@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -10,6 +11,13 @@ import mlx.core as mx
 
 from mtp_plugin.decoding.drafter import log_softmax
 from mtp_plugin.decoding.single import Sampling
+
+from .patching import release
+
+# mlx-vlm 0.7's server samples with top-k; 0.6's ignores a request's top_k
+SERVER_TOP_K = release("mlx-vlm") >= (0, 7, 0)
+# The server's ``make_sampler`` options, each with its stock default: any set one picks ``make_sampler``
+FILTER_OPTIONS = {"top_n_sigma": 0.0, "p_less": False, "typical_p": 1.0}
 
 
 def _scaled_log_softmax(logprobs: mx.array, temp: float) -> mx.array:
@@ -85,3 +93,18 @@ def sampling(ar, args: dict, temperature: float, top_p: float | None, top_k: int
     if top_k:
         filters.append(functools.partial(su.apply_top_k, top_k=top_k))
     return Sampling(temp, tuple(filters))
+
+
+def server_sampling(ar, args, sampler) -> Sampling:
+    """The distribution of ``sampler``, the one mlx-vlm's server ``_make_sampler`` built for request ``args``
+    (temperature > 0): its position-keyed sampler's own draws as ``keyed`` (seeded by mlx-vlm's default seed when the
+    request gives none), or ``make_sampler``'s filters (top-nσ, p-less, typical-p). mlx-vlm 0.6's server ignores a
+    request's top-k (``SERVER_TOP_K``)."""
+    positioned = callable(getattr(sampler, "sample_target", None))
+    top_k = args.top_k if SERVER_TOP_K else 0
+    named = {"min_p": 0.0, "seed": args.seed, "top_k": top_k,
+             **{name: getattr(args, name, default) for name, default in FILTER_OPTIONS.items()}}
+    described = sampling(ar, named, args.temperature, args.top_p, top_k, positioned)
+    if positioned:
+        return dataclasses.replace(described, keyed=functools.partial(_keyed_draws, sampler))
+    return described

@@ -19,6 +19,7 @@ from .single import (
     Sampling,
     Walk,
     accept_greedy,
+    accept_matching,
     accept_sampled,
     processed_logprobs,
     reject_nonfinite,
@@ -38,6 +39,8 @@ class Row:
         head_whole: the head's cache holds a pair for every context position (a runtime may reuse it for later
             requests); False once a park longer than ``drafter.HISTORY_WINDOW`` dropped pairs.
         schedule: the scheduler's ``RowState`` of the row (its lookup index holds every token up to ``last``).
+        position: tokens drawn for good so far, ``last`` included: the next one's index among the generated tokens
+            (``Sampling.keyed`` draws).
     """
 
     last: int
@@ -50,6 +53,7 @@ class Row:
     stats: MTPStats = field(default_factory=MTPStats)
     head_whole: bool = True
     schedule: RowState = field(default_factory=RowState)
+    position: int = 0
 
     def keep(self, hidden: mx.array, tokens: mx.array) -> None:
         """Committed pairs (hidden (1, n, H), tokens (n,)) for the head's next feed (``pending``)."""
@@ -118,10 +122,17 @@ class BatchDrafter:
         if max(padding):
             head_cache.prepare(right_padding=padding)
         mask = head_cache.make_mask(width)
-        out = self.head(hidden, self.trunk.embed(tokens), cache=head_cache, mask=mask)
+        out = self.head(hidden, self.trunk.embed(tokens), cache=head_cache, mask=mask,
+                        positions=self._positions(head_cache, width))
         head_cache.finalize()
         last = mx.array([max(n - 1, 0) for n in counts])[:, None, None]
         return mx.take_along_axis(out, last, axis=1)
+
+    def _positions(self, head_cache, length: int) -> mx.array | None:
+        """The head's positions for its next ``length`` pairs per row (the trunk's ``batch_head_positions(head_cache,
+        length)``, e.g. multimodal ones (3, B, length)); None: the head's layer derives them from its cache offset."""
+        positions = getattr(self.trunk, "batch_head_positions", None)
+        return None if positions is None else positions(head_cache, length)
 
     def _choose(self, rows: list[Row], g: mx.array, depths: list[int]) -> tuple[mx.array, list]:
         """Draft tokens (B,) from head outputs g (B, 1, H) and, per sampled row, its q (1, V)."""
@@ -136,7 +147,10 @@ class BatchDrafter:
         return mx.concatenate(tokens), qs
 
     def _pick(self, row: Row, logprobs: mx.array) -> mx.array:
-        """Plain tokens (N,) from log-probs (N, V): the row's own sampler, else argmax."""
+        """Plain tokens (N,) from log-probs (N, V) of the row's next N positions: its keyed draws, else its own
+        sampler, else argmax."""
+        if row.sampling is not None and row.sampling.keyed is not None:
+            return row.sampling.keyed(logprobs, row.position)
         if row.sampler is None:
             return mx.argmax(logprobs, axis=-1)
         return row.sampler(logprobs).reshape(-1)
@@ -157,10 +171,12 @@ class BatchDrafter:
         else:
             logprobs = log_softmax(logits)
         samplers = {id(row.sampler) for row in rows}
-        if len(samplers) == 1:
+        if len(samplers) == 1 and not any(row.sampling is not None and row.sampling.keyed is not None for row in rows):
             tokens = self._pick(rows[0], logprobs)
         else:
             tokens = mx.concatenate([self._pick(row, logprobs[i : i + 1]) for i, row in enumerate(rows)])
+        for row in rows:
+            row.position += 1
         step = Step(hidden, logprobs, tokens.astype(mx.uint32))
         mx.async_eval(step.tokens, step.logprobs)
         return step
@@ -191,7 +207,8 @@ class BatchDrafter:
             drafts.append(x)
             qs.append(q)
             if k < head_width - 1:
-                g = self.head(g, self.trunk.embed(x[:, None]), cache=head_cache, mask=head_cache.make_mask(1))
+                g = self.head(g, self.trunk.embed(x[:, None]), cache=head_cache, mask=head_cache.make_mask(1),
+                              positions=self._positions(head_cache, 1))
         matches = [0 if looked is None else looked[1] for looked in lookups]
         depths = [d if looked is None else len(looked[0]) for d, looked in zip(depths, lookups, strict=True)]
         width = max(depths)
@@ -214,7 +231,8 @@ class BatchDrafter:
         for i, row in enumerate(rows):
             d = depths[i]
             q, row_finite = None, finite[i] if head_width else finite
-            if d and row.sampling is not None:
+            keyed = row.sampling is not None and row.sampling.keyed is not None
+            if d and row.sampling is not None and not keyed:
                 if matches[i]:  # a lookup row: a point mass at each draft (``single._Loop.launch_lookup``)
                     q, row_finite = (mx.arange(logits.shape[-1])[None] == inputs[i, 1 : d + 1, None]).astype(
                         mx.float32), mx.array(True)
@@ -222,7 +240,7 @@ class BatchDrafter:
                     q = mx.concatenate([qs[k][i] for k in range(d)], axis=0)
             if d and row.processors:  # read position by position below
                 walks[i] = Walk(logits[i, : d + 1], inputs[i, : d + 1], row.history, row.processors, row.sampling,
-                                q, row_finite)
+                                q, row_finite, row.position)
                 walks[i].process()
                 logprobs.append(None)
                 accepted.append(mx.array(0))
@@ -237,6 +255,8 @@ class BatchDrafter:
             row_drafts = inputs[i, 1 : d + 1]
             if row.sampling is None:  # greedy: the block is the trunk's argmax whatever the drafts
                 a, block = accept_greedy(lp, row_drafts)
+            elif keyed:  # keyed draws do not depend on the drafts: a draft is accepted iff it equals its draw
+                a, block = accept_matching(row.sampling.keyed(lp, row.position), row_drafts)
             else:
                 a, block = accept_sampled(row.sampling.probs(lp), q, row_drafts, row_finite)
             accepted.append(reject_nonfinite(a, row_finite))
@@ -277,6 +297,7 @@ class BatchDrafter:
             if row.processors:
                 row.history = mx.concatenate([row.history, verified.inputs[i, :k]])
             row.last = verified.blocks[i][k - 1]
+            row.position += k
 
 
 def _cut(block: list[int], ends) -> list[int]:

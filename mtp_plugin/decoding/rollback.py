@@ -73,12 +73,15 @@ class Recorder:
         self.tokens = self.kept = tokens
         self.way = way or mode()
         self.layers: dict[int, LayerRecord] = {}
+        self.owners: dict[int, list[LayerRecord]] = {}  # per layer module, in call order: its records in call order
         self.current: LayerRecord | None = None
 
     @contextmanager
-    def layer(self, cache, window: int):
-        """Scope of one layer call: capture points inside it report to this layer's record."""
+    def layer(self, cache, window: int, owner=None):
+        """Scope of one layer call of module ``owner``: capture points inside it report to this call's record."""
         self.current = self.layers.setdefault(id(cache), LayerRecord(cache, window))
+        if owner is not None:
+            self.owners.setdefault(id(owner), []).append(self.current)
         try:
             yield self.current
         finally:
@@ -104,9 +107,15 @@ class Recorder:
 
         rows, most = mx.arange(len(keep)), max(keep)
         kept = mx.array(keep)
+        per_layer = iter(self.owners.values())
         for cache in caches:
             record = self.layers.get(id(cache))
-            if record is not None:
+            calls = next(per_layer, None) if not cache.is_trimmable() else None
+            if record is None and calls is not None and len(calls) == len(keep):
+                # the runtime ran each row alone on its own copy of the cache, then merged the copies into a new one
+                cache[0] = mx.concatenate([c.rows[:, k : k + c.window] for c, k in zip(calls, keep, strict=True)])
+                cache[1] = mx.concatenate([c.state(k, self.tokens) for c, k in zip(calls, keep, strict=True)])
+            elif record is not None:
                 window = kept[:, None] + mx.arange(record.window)[None]
                 cache[0] = mx.take_along_axis(record.rows, window[..., None], axis=1)
                 if record.replay is None:

@@ -1,0 +1,438 @@
+"""mlx-vlm adapter, continuous batching: MTP cycles inside mlx-vlm's own ``BatchGenerator`` on a ``BatchingModel``. Its
+prompt batches also feed each row's head (media embeddings and multimodal positions included); the generation
+batch they hand over becomes a ``VLMGenerationBatch``, the mlx-lm adapter's ``MTPGenerationBatch`` on mlx-vlm's
+caches, rope deltas, stop rule and responses. Design: docs/mlx-vlm.md#server."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from mtp_plugin.decoding.batch import BatchDrafter
+from mtp_plugin.decoding.drafter import Drafter
+from mtp_plugin.decoding.lookup import sampled_prior
+from mtp_plugin.decoding.scheduler import costs_of
+from mtp_plugin.decoding.single import DEFAULT_DEPTH, MAX_DEPTH
+from mtp_plugin.decoding.trunk import PromptInputs, StackTrunk
+from mtp_plugin.tuning import start_depth
+
+from .mlx_lm_batching import BatchContext, MTPGenerationBatch, _row, context_of
+
+log = logging.getLogger("mtp_plugin")
+
+
+class VLMBatchTrunk(StackTrunk):
+    """The trunk of batched passes over mlx-vlm's language model: each pass is the model's own call, positioned by
+    the rows' cache offsets and rope ``deltas`` (B, 1) (the batch's ``_rope_deltas``; None: text positions)."""
+
+    def __init__(self, model, contract):
+        super().__init__(model, contract)
+        self.language_model, self.deltas = model.language_model, None
+
+    def _run(self, tokens, cache):
+        keywords = {} if self.deltas is None else {"rope_deltas": self.deltas}
+        output = self.language_model(tokens, cache=cache, return_hidden=True, skip_logits=True, **keywords)
+        return output.hidden_states[-1]
+
+    def batch_head_positions(self, head_cache, length: int) -> mx.array | None:
+        """Multimodal positions (3, B, length), int32, of each row's next ``length`` head pairs: pair j sits where the
+        trunk put token j, j + the row's rope delta (its cache offset counts its pairs); None without ``deltas``."""
+        if self.deltas is None or not self.mrope:
+            return None
+        offsets = mx.array(head_cache.offset).reshape(-1)[:, None]
+        rows = offsets + mx.arange(length)[None] + self.deltas.reshape(-1, 1)
+        return mx.broadcast_to(rows[None].astype(mx.int32), (3, *rows.shape))
+
+
+@dataclass
+class PromptHead:
+    """A request's head while its prompt is processed: its drafter (trunk view: the request's own embeddings and
+    positions), the prompt's token ids, and the last unpaired hidden state (``carry``)."""
+
+    drafter: Drafter
+    tokens: list[int]
+    keywords: dict  # the prompt's keywords as the server inserted them (``inputs_embeds``, positions, media fields)
+    carry: mx.array | None = None
+
+
+@dataclass
+class VLMBatching(BatchContext):
+    """``BatchContext`` of an mlx-vlm model: also the server's generator settings each generation batch needs."""
+
+    model: object = None  # the full mlx-vlm model (``language_model``, ``mtp_head``)
+    generator: dict = field(default_factory=dict)  # sampler, stop rule, logprob settings of the current generator
+
+    def admit(self, uid: int, tokens: list[int], keywords: dict, options) -> None:
+        """Register request ``uid`` before its prompt is processed: its MTP options and its head, fed from the
+        prompt's own embeddings (``keywords["inputs_embeds"]`` (1, T, H)) and multimodal positions."""
+        from mlx_vlm.models.cache import KVCache
+
+        self.options[uid] = options
+        embeddings = keywords.get("inputs_embeds")
+        prompt = None
+        if embeddings is not None:
+            positions = keywords.get("position_ids")
+            prompt = PromptInputs(embeddings, None, {} if positions is None else {"position_ids": positions})
+        trunk = StackTrunk(self.model, self.drafter.head.contract, prompt)
+        self.heads[uid] = PromptHead(Drafter(self.drafter.head, trunk, KVCache()), list(tokens), dict(keywords))
+
+    def forget(self, uid: int) -> None:
+        """Drop what ``admit`` registered for ``uid`` (a cancelled request)."""
+        self.options.pop(uid, None)
+        self.heads.pop(uid, None)
+
+
+def batching_context(model, loaded) -> VLMBatching | None:
+    """The batching context of an mlx-vlm ``model`` with head ``loaded`` (kept on it), or None when its batches decode
+    stock: a head whose contract reads pre-norm hidden states (prompt passes give post-norm ones), or after a fault."""
+    if loaded.module.contract.hidden != "post_norm":
+        return None
+    ctx = loaded.batching
+    if ctx is None:
+        trunk = VLMBatchTrunk(model, loaded.module.contract)
+        start = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
+        ctx = loaded.batching = VLMBatching(trunk, BatchDrafter(trunk, loaded.module), loaded.health, start,
+                                            costs=costs_of(model.language_model),
+                                            lookup_prior=sampled_prior(model.language_model), model=model)
+    if ctx.failed:
+        return None
+    ctx.drafter.vocab = loaded.draft_vocab
+    ctx.options.clear()  # request ids restart with each generator
+    ctx.heads.clear()
+    return ctx
+
+
+class _Capture:
+    """Stands in for the language model during a prompt batch's passes: the model's own call, whose post-norm hidden
+    states also feed each row's head its valid positions (left padding excluded)."""
+
+    def __init__(self, batch, ctx: VLMBatching):
+        self.batch, self.ctx, self.model = batch, ctx, batch.model
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, inputs, *args, **kwargs):
+        output = self.model(inputs, *args, return_hidden=True, **kwargs)
+        if not self.ctx.failed:
+            try:
+                self._feed(output.hidden_states[-1])
+            except Exception as error:  # the heads' history only: the trunk's pass above is whole
+                self.ctx.fail(error)
+        return output
+
+    def _feed(self, hidden: mx.array) -> None:
+        done, n, states = self.batch._processed_prompt_columns, hidden.shape[1], []
+        for i, uid in enumerate(self.batch.uids):
+            row = self.ctx.heads.get(uid)
+            if row is None:
+                continue
+            skip = max(0, self.batch._left_padding_per_row[i] - done)
+            first = done + skip - self.batch._left_padding_per_row[i]  # the chunk's first token of this row
+            if skip >= n:
+                continue
+            chunk = mx.array(row.tokens[first : first + n - skip], dtype=mx.uint32)
+            row.carry = row.drafter.prefill(row.carry, hidden[i : i + 1, skip:], chunk)
+            cache = row.drafter.cache
+            states += [row.carry, *(cache.state if cache.offset else ())]
+        mx.eval(states)
+
+
+@contextlib.contextmanager
+def _capturing(batch, ctx: VLMBatching):
+    batch.model = _Capture(batch, ctx)
+    try:
+        yield
+    finally:
+        batch.model = batch.model.model
+
+
+def capture_prompt_step(prompt_step):
+    """Wrap ``PromptProcessingBatch.prompt_step``: with MTP batching, each row's head sees its prompt chunk."""
+
+    @functools.wraps(prompt_step)
+    def wrapper(self, *args, **kwargs):
+        ctx = context_of(self)
+        if ctx is None:
+            return prompt_step(self, *args, **kwargs)
+        with _capturing(self, ctx):
+            return prompt_step(self, *args, **kwargs)
+
+    return wrapper
+
+
+def start_generation(generate):
+    """Wrap ``PromptProcessingBatch.generate``: with MTP batching, the prompt's last chunk also feeds the heads, and the
+    stock generation batch it returns becomes a ``VLMGenerationBatch`` of the same rows (a fault: the stock one)."""
+
+    @functools.wraps(generate)
+    def wrapper(self, *args, **kwargs):
+        ctx = context_of(self)
+        if ctx is None:
+            return generate(self, *args, **kwargs)
+        uids = list(self.uids)
+        with _capturing(self, ctx):
+            stock = generate(self, *args, **kwargs)
+        stock.model = stock._language_model = self.model  # not the capture it was built with
+        heads = [ctx.heads.pop(uid, None) for uid in uids]
+        if ctx.failed or any(head is None for head in heads):
+            return stock
+        try:
+            return VLMGenerationBatch.take_over(stock, ctx, heads)
+        except Exception as error:
+            ctx.fail(error)
+            return stock
+
+    return wrapper
+
+
+def _batched(caches: list) -> list:
+    """Caches with a batch dimension each (mlx-vlm gives a one-row prompt batch plain ones), as its ``extend`` does."""
+    return [c if callable(getattr(c, "filter", None)) or not hasattr(type(c), "merge") else type(c).merge([c])
+            for c in caches]
+
+
+class VLMGenerationBatch(MTPGenerationBatch):
+    """mlx-vlm's ``GenerationBatch`` interface (``uids``, ``prompt_cache``, ``extend``, ``filter``, ``next``,
+    ``cache_states``) decoding every row with MTP cycles. A row joins with its first token drawn by the prompt batch
+    (``fresh``): the next call emits it first. ``deltas`` (B, 1): the rows' rope deltas (None: text positions)."""
+
+    is_speculative = False
+
+    def __init__(self, model, settings: dict):
+        super().__init__(model, None)
+        self.response = importlib.import_module("mlx_vlm.generate.ar").GenerationBatch.Response
+        self.settings = settings  # the generator's: sampler, stop_criteria, compute_logprobs, top_logprobs_k
+        self.deltas, self.fresh, self.firsts, self.prompts = None, [], [], []
+
+    @classmethod
+    def take_over(cls, stock, ctx: VLMBatching, heads: list[PromptHead]) -> VLMGenerationBatch:
+        """The rows of mlx-vlm's fresh ``GenerationBatch`` ``stock`` (first tokens drawn, not yet fed) with the heads
+        their prompts fed."""
+        from mlx_vlm.models.cache import KVCache
+
+        batch = cls(stock.model, dict(ctx.generator))
+        count = len(stock.uids)
+        first = stock._next_tokens.tolist()
+        batch.uids = list(stock.uids)
+        batch.prompt_cache = _batched(stock.prompt_cache)
+        batch.tokens = [list(head.tokens) for head in heads]
+        batch.max_tokens = list(stock.max_tokens)
+        processors = list(stock.logits_processors) or [None] * count
+        batch.logits_processors = [list(p or []) for p in processors]
+        sampler = batch.settings["described"]  # None when greedy
+        batch.samplers = [sampler] * count
+        batch.stops, batch.matchers, batch.num_tokens = [None] * count, [None] * count, [0] * count
+        batch.deltas = stock._rope_deltas
+        batch.fresh = [True] * count
+        batch.prompts = [head.keywords for head in heads]
+        batch.firsts = _first_logprobs(stock, count)
+        for i, uid in enumerate(batch.uids):
+            row = _row(ctx, uid, first[i], heads[i].carry, sampler, batch.logits_processors[i], heads[i].tokens)
+            row.head_whole, row.position = False, 1  # the prompt batch drew generated token 0
+            keyed = ctx.generator.get("keyed")
+            if row.sampling is None and keyed is not None:  # plain steps keep mlx-vlm's keyed draws
+                row.sampling = keyed
+            batch.rows.append(row)
+        batch.head_cache = KVCache.merge([head.drafter.cache for head in heads])
+        return batch
+
+    def cache_states(self) -> list:
+        """The trunk caches' states (mlx-vlm evaluates them every few steps)."""
+        return [c.state for c in self.prompt_cache if hasattr(c, "state")]
+
+    def next(self) -> list:
+        """The joining rows' first tokens, then one cycle or plain step of every row still going."""
+        if not self.uids:
+            return []
+        responses = self._emit_fresh()
+        ctx = context_of(self)
+        if ctx is not None:
+            ctx.trunk.deltas = self.deltas
+        return responses + (super().next() if self.uids else [])
+
+    def _emit_fresh(self) -> list:
+        responses, keep = [], []
+        for i, uid in enumerate(self.uids):
+            if self.fresh[i]:
+                self.fresh[i] = False
+                reason = self._end(i, self.rows[i].last)
+                logprob, top = self.firsts[i]
+                responses.append(self.response(uid=uid, token=self.rows[i].last, token_logprob=logprob,
+                                               finish_reason=reason, top_logprobs=top))
+                if reason is not None:
+                    continue
+            keep.append(i)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+    def _end(self, i: int, token: int) -> str | None:
+        """Why row i finishes on ``token`` by mlx-vlm's rules: its stop rule ("stop"), then ``max_tokens``."""
+        self.num_tokens[i] += 1
+        if self.settings["stop_criteria"](token):
+            return "stop"
+        return "length" if self.num_tokens[i] >= self.max_tokens[i] else None
+
+    def _respond(self, ctx, blocks: list[list[int]], logprobs: mx.array, finished) -> list:
+        """mlx-vlm ``Response``s for every row's emitted ``blocks`` (log-probs (B, L, V)); finished rows leave."""
+        chosen, top = _token_logprobs(logprobs, blocks, self.settings)
+        responses, keep = [], []
+        for i, uid in enumerate(self.uids):
+            for j, token in enumerate(blocks[i]):
+                final = j == len(blocks[i]) - 1 and finished[i] is not None
+                responses.append(self.response(uid=uid, token=token, token_logprob=chosen[i][j],
+                                               finish_reason=finished[i] if final else None,
+                                               top_logprobs=None if top is None else top[i][j]))
+            if finished[i] is None:
+                keep.append(i)
+        ctx.cycles += 1
+        ctx.row_cycles += len(self.uids)
+        ctx.tokens += len(responses)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+    def _join(self, batch) -> None:
+        ar = importlib.import_module("mlx_vlm.generate.ar")
+        for name in ("uids", "tokens", "rows", "samplers", "logits_processors", "max_tokens", "stops",
+                     "matchers", "num_tokens", "fresh", "firsts", "prompts"):
+            getattr(self, name).extend(getattr(batch, name))
+        if (self.deltas is None) != (batch.deltas is None):
+            raise ValueError("a batch mixes rows with and without rope deltas")
+        if self.ahead is not None:  # pipelined plain steps: the new rows' step is queued to join them
+            self.ahead = self.ahead.join(self._feed_last(context_of(self), batch))
+        if self.deltas is not None:
+            self.deltas = mx.concatenate([self.deltas, batch.deltas])
+        self.asked = None
+        self.prompt_cache = ar._extend_cache(self.prompt_cache, batch.prompt_cache)
+        self.head_cache.extend(batch.head_cache)
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep only rows ``keep``."""
+        self.fresh = [self.fresh[i] for i in keep]
+        self.firsts = [self.firsts[i] for i in keep]
+        self.prompts = [self.prompts[i] for i in keep]
+        if self.deltas is not None:
+            self.deltas = self.deltas[mx.array(keep, dtype=mx.int32)] if keep else None
+        super().filter(keep)
+
+    @staticmethod
+    def _feed_last(ctx, batch):
+        ctx.trunk.deltas = batch.deltas
+        return MTPGenerationBatch._feed_last(ctx, batch)
+
+    def _resume(self) -> list[Resume]:
+        """Every row as stock decoding would resume it now (read before a call changes anything)."""
+        fed = self.ahead is not None  # a queued plain step holds each row's ``last`` in the trunk cache
+        return [Resume(self.uids[i], self.tokens[i][: len(self.tokens[i]) - fed], row.last, self.num_tokens[i],
+                       self.fresh[i], self.prompts[i], None if self.deltas is None else self.deltas[i : i + 1],
+                       self.max_tokens[i], self.logits_processors[i])
+                for i, row in enumerate(self.rows)]
+
+    def _fall_back(self, rows: list[Resume], error: Exception | None = None) -> None:
+        """Become mlx-vlm's own ``GenerationBatch`` of ``rows``; ``error`` stops batched MTP for the model."""
+        if error is not None:
+            self.model.mtp_batching.fail(error)
+        stock = stock_batch(self.model.model, self.settings, rows)
+        self.__class__, self.__dict__ = type(stock), stock.__dict__  # the generator holds this object
+
+
+@dataclass
+class Resume:
+    """One row as stock decoding resumes it: ``tokens`` were in its trunk cache, ``last`` is not yet fed; ``emitted``
+    tokens were sent (``fresh``: ``last`` not among them); ``prompt``: its prompt keywords; ``delta`` (1, 1) or None."""
+
+    uid: int
+    tokens: list[int]
+    last: int
+    emitted: int
+    fresh: bool
+    prompt: dict
+    delta: mx.array | None
+    max_tokens: int
+    processors: list
+
+
+def stock_batch(model, settings: dict, rows: list[Resume]):
+    """mlx-vlm's ``GenerationBatch`` decoding ``rows`` from where they stood, each row's trunk cache rebuilt by a stock
+    prompt pass over its tokens (the prompt's own embeddings and positions, then the generated tokens'); a row whose
+    ``last`` was emitted already has it fed by one stock step whose emission is dropped. ``model``: the runtime's."""
+    ar = importlib.import_module("mlx_vlm.generate.ar")
+    stock = None
+    for row in rows:
+        part = ar.GenerationBatch(
+            model, [row.uid], mx.array([row.last], dtype=mx.uint32), _rebuilt_cache(ar, model, settings, row),
+            settings["sampler"], settings["stop_criteria"], [row.max_tokens],
+            top_logprobs_k=settings["top_logprobs_k"], greedy_sampling=settings["greedy_sampling"],
+            token_context=[list(row.tokens)], logits_processors=[row.processors or None],
+            thinking_budget_criteria=[None])
+        part.compute_logprobs = settings["compute_logprobs"]
+        part._rope_deltas = row.delta
+        part._num_tokens = [row.emitted - (not row.fresh)]
+        if not row.fresh:
+            part._step()  # feeds ``last`` and draws the next token at its position; ``last`` is not emitted again
+            part._num_tokens = [row.emitted]
+        if stock is None:
+            stock = part
+        else:
+            stock.extend(part)
+    return stock
+
+
+def _rebuilt_cache(ar, model, settings: dict, row: Resume) -> list:
+    """A fresh trunk cache holding ``row.tokens``: the prompt's embeddings and multimodal positions, then the generated
+    tokens' embeddings at their text positions (the position after the prompt's, plus nothing: mlx-vlm's rope delta
+    rule); its sampled token is dropped."""
+    prompt = dict(row.prompt)
+    embeddings = prompt.pop("inputs_embeds")
+    generated = row.tokens[embeddings.shape[1]:]
+    if generated:
+        more = model.model.embed_tokens(mx.array([generated], dtype=mx.uint32)).astype(embeddings.dtype)
+        embeddings = mx.concatenate([embeddings, more], axis=1)
+        positions = prompt.get("position_ids")
+        if positions is not None:
+            start = positions.shape[-1] + (0 if row.delta is None else row.delta.reshape(-1)[0])
+            after = mx.broadcast_to(mx.arange(len(generated)) + start, (*positions.shape[:-1], len(generated)))
+            prompt["position_ids"] = mx.concatenate([positions, after.astype(positions.dtype)], axis=-1)
+    prompt = {k: v for k, v in prompt.items() if not k.startswith("_")}
+    batch = ar.PromptProcessingBatch(model, [0], [list(row.tokens)], [1], embeddings, prompt)
+    while batch.needs_processing():
+        batch.prompt_step()
+    return batch.generate(settings["sampler"], settings["stop_criteria"], compute_logprobs=False).prompt_cache
+
+
+def _first_logprobs(stock, count: int) -> list[tuple[float, list | None]]:
+    """Per row of a fresh stock batch, its first token's log-prob (0.0 when not computed) and top log-probs."""
+    chosen = stock._next_lps.tolist() if stock._next_lps is not None else [0.0] * count
+    if stock._next_top_idx is None:
+        return [(lp, None) for lp in chosen]
+    ids, lps = stock._next_top_idx.tolist(), stock._next_top_lp.tolist()
+    return [(chosen[i], list(zip(ids[i], lps[i], strict=True))) for i in range(count)]
+
+
+def _token_logprobs(logprobs: mx.array, blocks: list[list[int]], settings: dict):
+    """``(chosen, top)``: per row and emitted token its log-prob (0.0 unless the generator computes them) and, with
+    ``top_logprobs_k``, its top-k ``(id, log-prob)`` pairs (else None); one host read for the batch."""
+    width = max(len(b) for b in blocks)
+    k = settings.get("top_logprobs_k", 0)
+    if not settings.get("compute_logprobs") and not k:
+        return [[0.0] * len(b) for b in blocks], None
+    tokens = mx.array([b + [0] * (width - len(b)) for b in blocks], dtype=mx.uint32)
+    window = logprobs[:, :width]
+    chosen = mx.take_along_axis(window, tokens[..., None], axis=-1)[..., 0]
+    arrays = [chosen]
+    if k:
+        top_ids = mx.argsort(window, axis=-1)[..., -k:][..., ::-1].astype(mx.int32)
+        arrays += [top_ids, mx.take_along_axis(window, top_ids, axis=-1)]
+    values = [a.tolist() for a in arrays]
+    chosen = values[0] if settings.get("compute_logprobs") else [[0.0] * width for _ in blocks]
+    if not k:
+        return chosen, None
+    return chosen, [[list(zip(values[1][i][j], values[2][i][j], strict=True)) for j in range(width)]
+                    for i in range(len(blocks))]
