@@ -329,7 +329,7 @@ class MTPGenerationBatch:
             head = ctx.head_row(uid, prompts.tokens[i])
             del ctx.heads[uid]
             heads.append(head.drafter.cache)
-            row = _row(ctx, uid, last[i], head.carry, self.samplers[i], self.logits_processors[i],
+            row = join_row(ctx, uid, last[i], head.carry, self.samplers[i], self.logits_processors[i],
                        prompts.tokens[i])
             row.head_whole = head.whole and ctx.drafter.head is not None
             self.rows.append(row)
@@ -593,7 +593,7 @@ class MTPGenerationBatch:
         return responses
 
 
-def _row(ctx: BatchContext, uid: int, last: int, carry, sampler, processors, tokens) -> Row:
+def join_row(ctx: BatchContext, uid: int, last: int, carry, sampler, processors, tokens) -> Row:
     """The decoding state of a request joining the batch, from its MTP options and sampler."""
     options = ctx.options.pop(uid, None)
     asked = options.resolved() if options is not None else command_line()

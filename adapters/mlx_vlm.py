@@ -1,6 +1,6 @@
 """mlx-vlm adapter: each handled model class's ``sanitize`` never sees head tensors (mlx-vlm 0.6.5–0.6.8 shift RMSNorms
 a second time on ``mtp.*`` keys and load every ``*.safetensors``, a sidecar included), ``load_model`` keeps the head
-on ``model.mtp_head``; decoding in ``mlx_vlm_decoding``, the server's lanes in ``mlx_vlm_server``."""
+on ``model.mtp_head``; decoding in ``mlx_vlm_decoding``, the server's batch in ``mlx_vlm_server``."""
 
 from __future__ import annotations
 

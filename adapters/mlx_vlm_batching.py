@@ -21,9 +21,14 @@ from mtp_plugin.decoding.single import DEFAULT_DEPTH, MAX_DEPTH
 from mtp_plugin.decoding.trunk import PromptInputs, StackTrunk
 from mtp_plugin.tuning import start_depth
 
-from .mlx_lm_batching import BatchContext, MTPGenerationBatch, _row, context_of
+from .mlx_lm_batching import BatchContext, MTPGenerationBatch, context_of, join_row
+from .patching import release
 
 log = logging.getLogger("mtp_plugin")
+# mlx-vlm 0.7 runs a multi-token pass over left-padded caches as one batched pass when asked for captured layers (as its
+# own drafter's verify does), else one pass per row on copies of the caches; 0.6 also switches its GatedDeltaNet layers
+# to its own verify mode then, so there the passes run per row.
+ONE_BATCHED_PASS = release("mlx-vlm") >= (0, 7, 0)
 
 
 class VLMBatchTrunk(StackTrunk):
@@ -36,6 +41,8 @@ class VLMBatchTrunk(StackTrunk):
 
     def _run(self, tokens, cache):
         keywords = {} if self.deltas is None else {"rope_deltas": self.deltas}
+        if ONE_BATCHED_PASS:
+            keywords["capture_layer_ids"] = []
         output = self.language_model(tokens, cache=cache, return_hidden=True, skip_logits=True, **keywords)
         return output.hidden_states[-1]
 
@@ -233,7 +240,7 @@ class VLMGenerationBatch(MTPGenerationBatch):
         batch.prompts = [head.keywords for head in heads]
         batch.firsts = _first_logprobs(stock, count)
         for i, uid in enumerate(batch.uids):
-            row = _row(ctx, uid, first[i], heads[i].carry, sampler, batch.logits_processors[i], heads[i].tokens)
+            row = join_row(ctx, uid, first[i], heads[i].carry, sampler, batch.logits_processors[i], heads[i].tokens)
             row.head_whole, row.position = False, 1  # the prompt batch drew generated token 0
             keyed = ctx.generator.get("keyed")
             if row.sampling is None and keyed is not None:  # plain steps keep mlx-vlm's keyed draws

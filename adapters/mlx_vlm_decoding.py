@@ -76,12 +76,8 @@ def _stock_reason(model, args: dict, extra: dict) -> str | None:
 
 def prompt_inputs(model, args: dict, extra: dict) -> PromptInputs:
     """The prompt pass as mlx-vlm's ``generate_step`` runs it: ``model.get_input_embeddings`` (media merged,
-    multimodal positions), its fields joining the caller's keywords (``CALLER_POSITIONS_WIN``), or ``extra`` as it is
-    when it holds that output already (``inputs_embeds``, from mlx-vlm's server)."""
+    multimodal positions), its fields joining the caller's keywords (``CALLER_POSITIONS_WIN``)."""
     run = functools.partial(_language_model_pass, model.language_model)
-    if "inputs_embeds" in extra:  # the caller ran ``get_input_embeddings`` itself (mlx-vlm's server)
-        keywords = dict(extra)
-        return PromptInputs(keywords.pop("inputs_embeds"), run, keywords)
     explicit = {k: extra[k] for k in POSITION_KWARGS if k in extra} if CALLER_POSITIONS_WIN else {}
     output = model.get_input_embeddings(args["input_ids"], args["pixel_values"], mask=args["mask"], **extra)
     fields = {k: v for k, v in output.to_dict().items() if k != "inputs_embeds" and v is not None}
@@ -112,15 +108,13 @@ def _processors(ar, args: dict) -> list:
     return processors + list(args.get("logits_processors") or [])
 
 
-def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, positioned: bool | None = None,
-                     lookup=None) -> dict | None:
+def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, lookup=None) -> dict | None:
     """Options for ``mtp_generate_step`` from ``step_arguments``' ``args`` / ``extra``, or None for stock decoding.
 
     Args:
         ar: the module defining mlx-vlm's ``generate_step`` (its sampling and processor helpers).
         loaded: the model's ``LoadedHead``; ``loaded.stats`` is set to fresh counters when MTP decodes.
         depth: draft depth 1-8 or a depth policy; 0 or None: adaptive (``options.depth_policy``).
-        positioned: whether the sampler is mlx-vlm's position-keyed one; None: as ``generate_step`` chooses.
         lookup: the ``mtp_lookup`` option (``lookup.lookup_policy``: None is on).
 
     Raises:
@@ -135,7 +129,7 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, position
     from mlx_vlm.models.cache import KVCache, make_prompt_cache
 
     temperature, top_p, top_k = _sampling_parameters(ar, model, args)
-    sampled = sampling(ar, args, temperature, top_p, top_k, positioned) if temperature > 0 else None
+    sampled = sampling(ar, args, temperature, top_p, top_k) if temperature > 0 else None
     if sampled is not None and sampled.keyed is None:  # mlx-vlm's own keyed draws stay its own
         sampled = sampled.with_coupling()
 

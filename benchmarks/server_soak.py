@@ -2,11 +2,13 @@
 
     python benchmarks/server_soak.py [--runtime mlx_lm] [--model examples/tiny-qwen3_5/hf] [--requests 200]
                                      [--clients 8] [--seed 0] [--out benchmarks/results]
+    python benchmarks/server_soak.py --runtime mlx_vlm --model build/tiny-qwen3_5-vl --image picture.png
 
 Starts a stock server (``MTP_PLUGIN_DISABLE=1``) and the plugin's on the same model. The workload (seeded) begins
 with the requests that once killed the server, then mixes 1- and 2-token prompts with longer ones, ``max_tokens``
 from 1 to 64, MTP options per request (none, ``enable_mtp`` false or true, ``mtp_depth`` 1-4), streamed and whole
-answers, and one request in four sampled with a seed (mlx-lm serves those on its single-request path). First the
+answers, one request in four sampled with a seed (mlx-lm serves those on its single-request path), and with
+``--image`` (mlx_vlm) every third request carrying the picture. First the
 stock server answers every greedy request alone, one at a time (the reference), and the plugin's server every
 request alone; then ``--clients`` clients send the whole workload to the plugin's server, and again to the stock
 server (the control: what concurrency alone changes, e.g. mlx-lm < 0.32's padded prompt rows). Prints the
@@ -16,6 +18,7 @@ changed one under load that the stock server kept under the same load.
 """
 
 import argparse
+import base64
 import datetime
 import importlib.metadata
 import json
@@ -42,9 +45,9 @@ OPTIONS = [{}, {}, {"enable_mtp": False}, {"enable_mtp": True}, {"mtp_depth": 1}
            {"mtp_depth": 4}]
 
 
-def workload(requests: int, seed: int) -> list[dict]:
+def workload(requests: int, seed: int, image: str | None = None) -> list[dict]:
     """``requests`` request bodies (the ``REPORTED`` ones first, then mixed shapes, seeded): a completion body and
-    ``stream``."""
+    ``stream``; with ``image`` (a data URL), every third one carries it."""
     rng = random.Random(seed)
     bodies = [{"body": {**body, "temperature": 0.0}, "stream": False} for body in REPORTED[:requests]]
     for i in range(len(bodies), requests):
@@ -52,6 +55,8 @@ def workload(requests: int, seed: int) -> list[dict]:
         body = {"prompt": prompt, "max_tokens": rng.choice(LENGTHS), "temperature": 0.0, **rng.choice(OPTIONS)}
         if i % 4 == 3:
             body.update(temperature=0.8, seed=rng.randrange(1000))
+        if image is not None and i % 3 == 2:
+            body["image"] = image
         bodies.append({"body": body, "stream": i % 5 == 1})
     return bodies
 
@@ -62,7 +67,10 @@ def ask(server: Server, request: dict) -> tuple[str | None, str | None]:
     path = "/v1/completions"
     if server.runtime == "mlx_vlm":
         path = "/v1/chat/completions"
-        body = {**body, "model": server.model, "messages": [{"role": "user", "content": body.pop("prompt")}]}
+        image, text = body.pop("image", None), body.pop("prompt")
+        content = text if image is None else [{"type": "image_url", "image_url": {"url": image}},
+                                              {"type": "text", "text": text}]
+        body = {**body, "model": server.model, "messages": [{"role": "user", "content": content}]}
     data = json.dumps({**body, "stream": stream}).encode()
     http = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=data,
                                   headers={"Content-Type": "application/json"})
@@ -119,11 +127,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--image", type=Path, help="mlx_vlm: a picture every third request carries")
     parser.add_argument("--out", type=Path, help="directory for the dated result file")
     args = parser.parse_args()
     if args.requests < 1 or args.clients < 1:
         parser.error("--requests and --clients must be at least 1")
-    load = workload(args.requests, args.seed)
+    if args.image is not None and args.runtime != "mlx_vlm":
+        parser.error("--image needs --runtime mlx_vlm")
+    image = None
+    if args.image is not None:
+        image = "data:image/png;base64," + base64.b64encode(args.image.read_bytes()).decode()
+    load = workload(args.requests, args.seed, image)
     logs = Path(tempfile.mkdtemp(prefix="mtp-server-soak-"))
     stock = Server(args.runtime, args.stock_model or args.model, True, logs / "stock.log")
     plugin = Server(args.runtime, args.model, False, logs / "plugin.log")
@@ -151,7 +165,8 @@ def main() -> None:
     blamed = changed["plugin alone"] | (changed["plugin"] - changed["stock"])
     summary = [f"server soak: {args.runtime}.server, {args.model.name}"
                + (f" (stock: {args.stock_model.name})" if args.stock_model else "")
-               + f", {args.requests} requests (seed {args.seed}, {len(alone)} greedy), {args.clients} clients",
+               + f", {args.requests} requests (seed {args.seed}, {len(alone)} greedy), {args.clients} clients"
+               + (f", every third with {args.image.name}" if image else ""),
                f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
                f"machine: {json.dumps(tuning.machine())}, {os.cpu_count()} CPUs",
                f"versions: {json.dumps(versions)}",

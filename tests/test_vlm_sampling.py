@@ -99,3 +99,51 @@ def test_checkpoint_sampling_defaults_are_used(model, monkeypatch):
     runs = {tuple(t for t, _ in generate_step(mx.array([PROMPT]), model, None, None, max_tokens=12, mtp_depth=2))
             for _ in range(4)}
     assert len(runs) > 1 and model.mtp_head.stats.drafted > 0
+
+
+def server_batch_tokens(model, wrapped: bool, args, batches: int, rows: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens 2 and 3 of ``batches`` × ``rows`` generations of ``PROMPT``, ``rows`` at once, by the generator mlx-vlm's
+    server builds for a request with ``args`` (``wrapped``: the plugin's, else mlx-vlm's own)."""
+    from mlx_vlm.server.generation import ResponseGenerator
+    from mlx_vlm.utils import StoppingCriteria
+    from mtp_plugin.adapters import mlx_vlm_server
+
+    generation = importlib.import_module("mlx_vlm.server.generation")
+    factory = generation.BatchGenerator if wrapped else importlib.import_module("mlx_vlm.generate.ar").BatchGenerator
+    server, request = type("Server", (), {"model": model})(), type("Request", (), {"args": args})()
+    processor = type("Processor", (), {"tokenizer": type("Tokenizer", (), {})()})()
+    processor.tokenizer.stopping_criteria = StoppingCriteria([], None)  # a vocabulary of 24 ids: no end token
+    fields = model.get_input_embeddings(mx.array([PROMPT]), None).to_dict()
+    keywords = {k: v for k, v in fields.items() if v is not None}
+    mx.random.seed(4321)
+    out = []
+    for _ in range(batches):
+        mlx_vlm_server._serving.current = (server, request)
+        generator = factory(model.language_model, processor, sampler=ResponseGenerator._make_sampler(None, args),
+                            compute_logprobs=False)
+        tokens = {}
+        for _ in range(rows):
+            mlx_vlm_server._serving.current = (server, request)
+            tokens.update({uid: [] for uid in generator.insert([PROMPT], max_tokens=3, prompt_kwargs=[keywords])})
+        while generator.has_work:
+            for r in generator.next()[1]:
+                tokens[r.uid].append(r.token)
+        generator.close()
+        out += [t[1:3] for t in tokens.values()]
+    return np.array(out)[:, 0], np.array(out)[:, 1]
+
+
+def test_server_batch_rows_sample_as_mlx_vlms_batch(model):
+    """Rows of mlx-vlm's server batch sampled with ``make_sampler`` (typical-p: exact speculative sampling, drafting
+    at depth 2, four rows a batch) draw tokens 2 and 3 from the distribution of mlx-vlm's own batch (chi-square)."""
+    from mlx_vlm.server.generation import GenerationArguments
+    from mtp_plugin.adapters.mlx_lm_server import MTPRequest
+
+    args = GenerationArguments(temperature=1.0, typical_p=0.95, max_tokens=3)
+    args.mtp = MTPRequest(None, 2)
+    stock = server_batch_tokens(model, False, args, RUNS // 4)
+    mtp = server_batch_tokens(model, True, args, RUNS // 4)
+    ctx = model.mtp_head.batching
+    assert not ctx.failed and 0 < ctx.accepted < ctx.drafted  # acceptance and the residual path were exercised
+    assert same_distribution_p(stock[0], mtp[0]) > 1e-3
+    assert same_distribution_p(stock[1], mtp[1]) > 1e-3
