@@ -33,6 +33,7 @@ from .mlx_lm_fallback import Resume, stock_batch
 from .mlx_lm_sampling import SAMPLINGS
 
 log = logging.getLogger("mtp_plugin")
+MAX_LOOKUP = 1 << 30  # no limit on a row's lookup drafts but its remaining tokens
 STORED_HEADS = 32  # finished requests whose head caches are kept for requests that reuse their prompt caches
 
 
@@ -301,6 +302,7 @@ class MTPGenerationBatch:
         self.head_cache = None
         self.ahead: Step | None = None  # queued plain step: every row's ``last`` fed, its next token not yet read
         self.asked: list[int] | None = None  # depths asked of the policy for a cycle that has not run yet
+        self.lookup_room = MAX_LOOKUP  # the most lookup drafts a row may verify in the next pass
 
     @classmethod
     def empty(cls, model, fallback_sampler):
@@ -411,8 +413,8 @@ class MTPGenerationBatch:
         """The rows' head depths and every row's decision for this pass (``scheduler.plan``). Lookup drafts never
         exceed a row's remaining tokens; ranks in lockstep plan from the static cost prior."""
         behind = self.ahead is not None
-        asks = [row.schedule.ask(0, self.max_tokens[i] - self.num_tokens[i] - 1 - behind, behind)
-                for i, row in enumerate(self.rows)]
+        asks = [row.schedule.ask(0, min(self.max_tokens[i] - self.num_tokens[i] - 1 - behind, self.lookup_room),
+                                 behind) for i, row in enumerate(self.rows)]
         proposed = sum(len(a.proposal) for a in asks)
         depths, self.asked = self.asked, None
         if depths is None:
@@ -569,18 +571,25 @@ class MTPGenerationBatch:
                 row.schedule.lookup.index.extend([tokens[i]])
         return tokens
 
+    def _responder(self, logprobs: mx.array, blocks: list[list[int]]):
+        """``make(i, j, token, reason)``: mlx-lm's ``Response`` for token j of row i's block (``reason``: why the row
+        finishes on it, or None)."""
+
+        def make(i: int, j: int, token: int, reason: str | None):
+            return self.response(uid=self.uids[i], token=token, logprobs=logprobs[i, j], finish_reason=reason,
+                                 prompt_cache=self.extract_cache(i) if reason else None,
+                                 all_tokens=self.tokens[i] if reason else None, **self.matchers[i].fields())
+
+        return make
+
     def _respond(self, ctx: BatchContext, blocks: list[list[int]], logprobs: mx.array, finished) -> list:
-        """mlx-lm ``Response``s for every row's emitted ``blocks`` (log-probs (B, L, V)); finished rows leave."""
+        """The runtime's responses for every row's emitted ``blocks`` (log-probs (B, L, V)); finished rows leave."""
+        make = self._responder(logprobs, blocks)
         responses, keep = [], []
-        for i, uid in enumerate(self.uids):
+        for i in range(len(self.uids)):
             for j, token in enumerate(blocks[i]):
                 final = j == len(blocks[i]) - 1 and finished[i] is not None
-                responses.append(self.response(
-                    uid=uid, token=token, logprobs=logprobs[i, j],
-                    finish_reason=finished[i] if final else None,
-                    prompt_cache=self.extract_cache(i) if final else None,
-                    all_tokens=self.tokens[i] if final else None,
-                    **self.matchers[i].fields()))
+                responses.append(make(i, j, token, finished[i] if final else None))
             if finished[i] is None:
                 keep.append(i)
             elif self.rows[i].head_whole:

@@ -21,7 +21,7 @@ from mtp_plugin.decoding.single import DEFAULT_DEPTH, MAX_DEPTH
 from mtp_plugin.decoding.trunk import PromptInputs, StackTrunk
 from mtp_plugin.tuning import start_depth
 
-from .mlx_lm_batching import BatchContext, MTPGenerationBatch, context_of, join_row
+from .mlx_lm_batching import MAX_LOOKUP, BatchContext, MTPGenerationBatch, context_of, join_row
 from .patching import release
 
 log = logging.getLogger("mtp_plugin")
@@ -73,6 +73,7 @@ class VLMBatching(BatchContext):
 
     model: object = None  # the full mlx-vlm model (``language_model``, ``mtp_head``)
     generator: dict = field(default_factory=dict)  # sampler, stop rule, logprob settings of the current generator
+    waiting: bool = False  # a prompt waits for its prefill, which mlx-vlm runs after the next pass
 
     def admit(self, uid: int, tokens: list[int], keywords: dict, options) -> None:
         """Register request ``uid`` before its prompt is processed: its MTP options and its head, fed from the
@@ -261,6 +262,8 @@ class VLMGenerationBatch(MTPGenerationBatch):
         ctx = context_of(self)
         if ctx is not None:
             ctx.trunk.deltas = self.deltas
+            # a waiting prompt's prefill runs after this pass: no lookup drafts widen it meanwhile
+            self.lookup_room = 0 if ctx.waiting else MAX_LOOKUP
         return responses + (super().next() if self.uids else [])
 
     def _emit_fresh(self) -> list:
@@ -286,24 +289,16 @@ class VLMGenerationBatch(MTPGenerationBatch):
             return "stop"
         return "length" if self.num_tokens[i] >= self.max_tokens[i] else None
 
-    def _respond(self, ctx, blocks: list[list[int]], logprobs: mx.array, finished) -> list:
-        """mlx-vlm ``Response``s for every row's emitted ``blocks`` (log-probs (B, L, V)); finished rows leave."""
+    def _responder(self, logprobs: mx.array, blocks: list[list[int]]):
+        """``make(i, j, token, reason)``: mlx-vlm's ``Response`` for token j of row i's block, its log-probs read for
+        the whole batch at once (``_token_logprobs``)."""
         chosen, top = _token_logprobs(logprobs, blocks, self.settings)
-        responses, keep = [], []
-        for i, uid in enumerate(self.uids):
-            for j, token in enumerate(blocks[i]):
-                final = j == len(blocks[i]) - 1 and finished[i] is not None
-                responses.append(self.response(uid=uid, token=token, token_logprob=chosen[i][j],
-                                               finish_reason=finished[i] if final else None,
-                                               top_logprobs=None if top is None else top[i][j]))
-            if finished[i] is None:
-                keep.append(i)
-        ctx.cycles += 1
-        ctx.row_cycles += len(self.uids)
-        ctx.tokens += len(responses)
-        if len(keep) < len(self.uids):
-            self.filter(keep)
-        return responses
+
+        def make(i: int, j: int, token: int, reason: str | None):
+            return self.response(uid=self.uids[i], token=token, token_logprob=chosen[i][j], finish_reason=reason,
+                                 top_logprobs=None if top is None else top[i][j])
+
+        return make
 
     def _join(self, batch) -> None:
         ar = importlib.import_module("mlx_vlm.generate.ar")

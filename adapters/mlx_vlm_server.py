@@ -208,6 +208,7 @@ class SplitGenerator:
     def next(self, **kwargs) -> tuple[list, list]:
         """One step of each generator with work."""
         prompts, responses = [], []
+        self.ctx.waiting = self.mtp.has_pending_prompts
         for generator in self._generators():
             if generator.has_work:
                 done, tokens = generator.next(**kwargs)

@@ -150,6 +150,27 @@ def test_bad_options_are_refused(servers, options):
         assert status == 400 and message.startswith(("mtp_depth must", "enable_mtp must")), (path, response)
 
 
+@pytest.mark.parametrize("image", [None, IMAGE], ids=["text", "image"])
+def test_logprobs_are_the_emitted_tokens(servers, image):
+    """A request for log-probs decodes with MTP in the batch: each emitted token's log-prob, from the verify pass,
+    is stock's (to bfloat16 rounding: passes of other widths sum in another order)."""
+    plugin, stock = servers
+
+    def logprobs(server) -> tuple[list, dict]:
+        status, response = server.post("/v1/chat/completions", {**chat(image=image, logprobs=True, mtp_depth=2),
+                                                                 "model": server.model})
+        assert status == 200, response
+        content = response["choices"][0]["logprobs"]["content"]
+        return [(c["token"], c["logprob"]) for c in content], response.get("timings") or {}
+
+    (ours, timings), (theirs, _) = logprobs(plugin), logprobs(stock)
+    assert [t for t, _ in ours] == [t for t, _ in theirs] and len(ours) > 10
+    assert max(abs(a - b) for (_, a), (_, b) in zip(ours, theirs, strict=True)) < 0.1
+    assert any(lp != 0.0 for _, lp in ours)
+    if COUNTERS:
+        assert timings["draft_n"] > 0, timings
+
+
 def test_penalties_see_the_whole_prompt(servers):
     """The server's batch gives logits processors (penalties) the whole prompt; so does a lane."""
     plugin, stock = servers
