@@ -172,7 +172,7 @@ def test_logprobs_are_the_emitted_tokens(servers, image):
 
 
 def test_penalties_see_the_whole_prompt(servers):
-    """The server's batch gives logits processors (penalties) the whole prompt; so does a lane."""
+    """Logits processors (penalties) see the whole prompt in the MTP batch, as in stock's, at every depth."""
     plugin, stock = servers
     text = "def main():\n" + "".join(f"    value_{i} = compute({i})\n" for i in range(24))
     penalties = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "repetition_penalty": 1.3}
@@ -297,7 +297,7 @@ def test_command_line_defaults(checkpoint, servers, flags):
     try:
         text, timings = answer(server, chat(image=IMAGE))
         assert text == answer(stock, chat(image=IMAGE))[0]
-        if flags[0] == "--no-mtp":  # only an explicit enable_mtp takes a lane
+        if flags[0] == "--no-mtp":  # only an explicit enable_mtp drafts
             assert timings.get("draft_n") is None
             assert answer(server, chat(image=IMAGE, mtp_depth=2))[1].get("draft_n") is None
             assert answer(server, chat(image=IMAGE, enable_mtp=True))[1]["draft_n"] is not None
