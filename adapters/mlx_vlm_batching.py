@@ -240,10 +240,10 @@ class VLMGenerationBatch(MTPGenerationBatch):
         batch.fresh = [True] * count
         batch.prompts = [head.keywords for head in heads]
         batch.firsts = _first_logprobs(stock, count)
+        keyed = batch.settings["keyed"]
         for i, uid in enumerate(batch.uids):
             row = join_row(ctx, uid, first[i], heads[i].carry, sampler, batch.logits_processors[i], heads[i].tokens)
             row.head_whole, row.position = False, 1  # the prompt batch drew generated token 0
-            keyed = ctx.generator.get("keyed")
             if row.sampling is None and keyed is not None:  # plain steps keep mlx-vlm's keyed draws
                 row.sampling = keyed
             batch.rows.append(row)
@@ -389,8 +389,8 @@ def stock_batch(model, settings: dict, rows: list[Resume]):
 
 def _rebuilt_cache(ar, model, settings: dict, row: Resume) -> list:
     """A fresh trunk cache holding ``row.tokens``: the prompt's embeddings and multimodal positions, then the generated
-    tokens' embeddings at their text positions (the position after the prompt's, plus nothing: mlx-vlm's rope delta
-    rule); its sampled token is dropped."""
+    tokens' embeddings, token t at position t + the row's rope delta (mlx-vlm's rule after a prompt); the token the
+    stock prompt pass samples is dropped."""
     prompt = dict(row.prompt)
     embeddings = prompt.pop("inputs_embeds")
     generated = row.tokens[embeddings.shape[1]:]

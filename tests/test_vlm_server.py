@@ -262,6 +262,32 @@ def test_a_fault_hands_the_rows_to_mlx_vlms_batch(checkpoint, monkeypatch, caplo
     assert decode(make(True, args), args) == expected
 
 
+def test_a_cancelled_request_leaves_the_others_as_stock(checkpoint):
+    """A request removed mid-decoding (a client gone) leaves the batch; the other row goes on with stock's tokens."""
+    from mlx_vlm.server.generation import GenerationArguments
+    from mtp_plugin.adapters.mlx_lm_server import MTPRequest
+
+    _, make, decode = _generators(checkpoint)
+    args = GenerationArguments(max_tokens=12)
+    args.mtp = MTPRequest(None, 2)
+    expected = decode(make(False, args), args)
+    split = make(True, args)
+    original = split.next
+
+    def next_and_cancel(**kwargs):  # after the batch's third step, the first request's client is gone
+        out = original(**kwargs)
+        next_and_cancel.steps += 1
+        if next_and_cancel.steps == 3:
+            assert split.remove(0)
+        return out
+
+    next_and_cancel.steps = 0
+    split.next = next_and_cancel
+    first, second = decode(split, args)
+    assert 0 < len(first) < len(expected[0]) and first == expected[0][: len(first)]
+    assert second == expected[1] and not split.has_work and not split.requests
+
+
 def test_concurrent_requests_as_alone(servers):
     """Concurrent requests (text and images, greedy and sampled) draft in one batch and get the stock server's
     answers (the server's sampler keys its draws by position: sampled ones too)."""
