@@ -16,7 +16,7 @@ import mlx.core as mx
 from mtp_plugin.decoding.batch import BatchDrafter
 from mtp_plugin.decoding.drafter import Drafter
 from mtp_plugin.decoding.lookup import sampled_prior
-from mtp_plugin.decoding.scheduler import costs_of
+from mtp_plugin.decoding.scheduler import Decision, costs_of
 from mtp_plugin.decoding.single import DEFAULT_DEPTH, MAX_DEPTH
 from mtp_plugin.decoding.trunk import PromptInputs, StackTrunk
 from mtp_plugin.tuning import start_depth
@@ -265,6 +265,16 @@ class VLMGenerationBatch(MTPGenerationBatch):
             # a waiting prompt's prefill runs after this pass: no lookup drafts widen it meanwhile
             self.lookup_room = 0 if ctx.waiting else MAX_LOOKUP
         return responses + (super().next() if self.uids else [])
+
+    def _decide(self, ctx: VLMBatching, policy) -> tuple[list[int], list[Decision]]:
+        """``MTPGenerationBatch._decide``; where mlx-vlm verifies row by row (0.6) and the batch has several rows, only
+        rows whose request fixed a depth draft (at it) and the others take plain steps: there a B-row verify pass
+        costs B passes, more than drafts with a head's acceptance gain back."""
+        if ONE_BATCHED_PASS or len(self.rows) < 2:
+            return super()._decide(ctx, policy)
+        self.asked = None
+        depths = [0 if ctx.health.parked or row.depth is None else row.depth for row in self.rows]
+        return depths, [Decision.head(depth) for depth in depths]
 
     def _emit_fresh(self) -> list:
         responses, keep = [], []

@@ -2,10 +2,12 @@
 
     python benchmarks/server_fairness.py [--model build/deep48] [--repeats 3] [--variant no-lookup=--no-mtp-lookup]
                                          [--time-cap 1500] [--out benchmarks/results]
+    python benchmarks/server_fairness.py --runtime mlx_vlm --model build/deep48-vl [--image picture.png]
 
 The workload of issue 34: one client sends a long greedy completion (``--long`` tokens) of a prompt whose greedy
 continuation repeats it (prompt-lookup drafts pay there); ``--delay`` seconds later, ``--clients`` clients each send
-``--requests`` short greedy completions (``--short`` tokens) one after another. Also the long request alone. Servers:
+``--requests`` short greedy completions (``--short`` tokens) one after another (``--runtime mlx_vlm``: chat completions
+of mlx-vlm's server, every other short one with the ``--image`` picture). Also the long request alone. Servers:
 stock (``MTP_PLUGIN_DISABLE=1``), the plugin with its defaults, and each ``--variant NAME=ARGS`` (the plugin's server
 with those flags). Runs are interleaved, the order rotating each repeat. Prints, per server, medians over repeats:
 the long request alone (seconds and speed against stock), the short requests' median latency and its ratio to
@@ -15,6 +17,7 @@ of requests, ``--time-cap`` seconds, loopback only.
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import statistics
@@ -25,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from server_load import PROMPTS, Server
+from server_load import HEADLESS, PROMPTS, Server, data_url, result_name, text_of
 from tqdm import tqdm
 
 from mtp_plugin import tuning
@@ -45,8 +48,12 @@ def mixed(server: Server, args) -> dict:
         out["long"] = server.complete(long_body)
 
     def client(c: int):
-        return [server.complete({"prompt": PROMPTS[(c + i) % len(PROMPTS)], "max_tokens": args.short,
-                                 "temperature": 0.0}) for i in range(args.requests)]
+        bodies = [{"prompt": PROMPTS[(c + i) % len(PROMPTS)], "max_tokens": args.short, "temperature": 0.0}
+                  for i in range(args.requests)]
+        for i, body in enumerate(bodies):
+            if args.image is not None and (c + i) % 2:
+                body["image"] = data_url(args.image)
+        return [server.complete(body) for body in bodies]
 
     start = time.perf_counter()
     first = threading.Thread(target=long_request)
@@ -56,19 +63,22 @@ def mixed(server: Server, args) -> dict:
         short = [a for answers in pool.map(client, range(args.clients)) for a in answers]
     first.join()
     wall = time.perf_counter() - start
-    texts = [out["long"][1]["choices"][0]["text"]] + [a["choices"][0]["text"] for _, a in short]
+    texts = [text_of(out["long"][1])] + [text_of(a) for _, a in short]
     return {"short": statistics.median(s for s, _ in short), "wall": wall, "texts": texts}
 
 
 def alone(server: Server, args) -> dict:
     seconds, answer = server.complete({"prompt": REPEATING, "max_tokens": args.long, "temperature": 0.0})
-    return {"alone": seconds, "alone_text": answer["choices"][0]["text"]}
+    return {"alone": seconds, "alone_text": text_of(answer)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runtime", choices=["mlx_lm", "mlx_vlm"], default="mlx_lm", help="whose server")
+    parser.add_argument("--image", type=Path, help="mlx_vlm: a picture every other short request carries")
     parser.add_argument("--model", type=Path, default=REPO / "build" / "deep48",
                         help="a checkpoint (default build/deep48: python benchmarks/deepen.py --out build/deep48)")
+    parser.add_argument("--stock-model", type=Path, help=f"the stock server's model (default: --model); {HEADLESS}")
     parser.add_argument("--long", type=int, default=600, help="tokens of the long request (default 600)")
     parser.add_argument("--short", type=int, default=24, help="tokens of each short request (default 24)")
     parser.add_argument("--clients", type=int, default=3, help="clients sending short requests (default 3)")
@@ -82,6 +92,8 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.long, args.short, args.clients, args.requests, args.repeats) < 1 or args.delay < 0:
         parser.error("--long, --short, --clients, --requests and --repeats must be at least 1, --delay at least 0")
+    if args.image is not None and (args.runtime != "mlx_vlm" or not args.image.is_file()):
+        parser.error("--image takes a picture file and needs --runtime mlx_vlm")
     if any("=" not in v for v in args.variant):
         parser.error("--variant takes NAME=ARGS")
     if not (args.model / "config.json").is_file():
@@ -90,8 +102,9 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="mtp-server-fairness-"))
     flags = {"stock": None, "plugin": (), **{v.split("=", 1)[0]: tuple(v.split("=", 1)[1].split())
                                               for v in args.variant}}
-    servers = {name: Server("mlx_lm", args.model, extra is None, logs / f"{name}.log", extra or ())
-               for name, extra in flags.items()}
+    models = {"stock": args.stock_model or args.model}
+    servers = {name: Server(args.runtime, models.get(name, args.model), extra is None, logs / f"{name}.log",
+                            extra or ()) for name, extra in flags.items()}
     results = {name: [] for name in servers}
     deadline = time.monotonic() + args.time_cap
     try:
@@ -112,12 +125,17 @@ def main() -> None:
     if not rounds:
         sys.exit("no round finished within --time-cap")
     stock = results["stock"][:rounds]
-    header = [f"server fairness: mlx_lm.server, {args.model.name}, greedy; a {args.long}-token request whose output "
-              f"repeats, then after {args.delay:g} s {args.clients} clients x {args.requests} requests of "
-              f"{args.short} tokens; medians of {rounds} interleaved rounds",
+    versions = tuning.versions()
+    if args.runtime == "mlx_vlm":
+        versions["mlx-vlm"] = importlib.metadata.version("mlx-vlm")
+    header = [f"server fairness: {args.runtime}.server, {args.model.name}, greedy; a {args.long}-token request whose "
+              f"output repeats, then after {args.delay:g} s {args.clients} clients x {args.requests} requests of "
+              f"{args.short} tokens" + (f" (every other one with {args.image.name})" if args.image else "")
+              + (f" (stock: {args.stock_model.name})" if args.stock_model else "")
+              + f"; medians of {rounds} interleaved rounds",
               f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
               f"machine: {json.dumps(tuning.machine())}, {os.cpu_count()} CPUs",
-              f"versions: {json.dumps(tuning.versions())}",
+              f"versions: {json.dumps(versions)}",
               "server       long alone s  x stock | short p50 s  / stock | wall s  / stock | texts = stock | "
               "short p50 / stock by round"]
     lines = []
@@ -135,7 +153,7 @@ def main() -> None:
     text = "\n".join(header + lines) + "\n"
     print(text, end="")
     if args.out:
-        path = measure.write_result(args.out, f"server-fairness-{args.model.name}", text)
+        path = measure.write_result(args.out, result_name("server-fairness", args.runtime, args.model), text)
         print(f"written to {path}")
 
 

@@ -2,7 +2,7 @@
 
     python benchmarks/server_load.py [--model examples/tiny-qwen3_5/hf] [--concurrency 1 2 4 8]
                                      [--requests 8] [--repeats 3] [--time-cap 900] [--out benchmarks/results]
-                                     [--repeating] [--variant no-lookup=--no-mtp-lookup]
+                                     [--repeating] [--pace 7] [--variant no-lookup=--no-mtp-lookup]
     python benchmarks/server_load.py --runtime mlx_vlm --model build/tiny-qwen3_5-vl [--image picture.png]
 
 ``--runtime mlx_lm`` (default) runs ``mlx_lm.server`` with completions; ``mlx_vlm`` runs ``mlx_vlm.server`` with
@@ -13,7 +13,10 @@ Starts three servers on loopback ports: stock (``MTP_PLUGIN_DISABLE=1``), a seco
 the plugin's. For each concurrency c, c clients each send ``--requests`` greedy completions that alternate long
 (128 tokens) and short (16 tokens) code prompts (with ``--repeating``, every other long one a prompt whose greedy
 continuation repeats it: prompt-lookup drafts pay there), against each server in turn (interleaved, rotating the
-order, ``--repeats`` times). ``--variant NAME=ARGS`` adds a plugin server run with those flags. Prints, per c and
+order, ``--repeats`` times). A client sends its next request when the last one is answered, so a faster server
+also brings its clients' next requests sooner; ``--pace S`` fixes the arrivals instead (client c of C sends request i
+at (i + c/C) × S seconds, or when its last one is answered if that is later), the same for every server, so that
+latencies compare like with like. ``--variant NAME=ARGS`` adds a plugin server run with those flags. Prints, per c and
 server, the aggregate tokens/s and its ratio to stock's (the control's ratio is the run's noise floor: mlx-lm's
 server admits a new request only between its 0.5 s generation windows, so how requests overlap, and the throughput,
 shifts from run to run), the p50 latency of the short requests (they arrive while long ones decode) and its ratio,
@@ -28,7 +31,6 @@ import importlib.metadata
 import json
 import mimetypes
 import os
-import re
 import socket
 import statistics
 import subprocess
@@ -42,7 +44,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from mtp_plugin import tuning
-from mtp_plugin.files import atomic_write
+from mtp_plugin.commands import measure
 
 REPO = Path(__file__).resolve().parents[1]
 REPEATING = "def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n\n\n" * 3 + \
@@ -50,6 +52,8 @@ REPEATING = "def read_config(path):\n    with open(path) as f:\n        return j
 PROMPTS = ["def read_config(path):\n", "import os\n\n\ndef main():\n", "class Parser:\n    def __init__(self",
            "for line in lines:\n", "    return self._", "# Copyright\nimport sys\n"]
 LONG, SHORT = 128, 16
+HEADLESS = ("a copy without the head's files where stock cannot load the head (mlx-vlm 0.6.5-0.6.8 shift its norms "
+            "twice)")
 
 
 class Server:
@@ -77,14 +81,20 @@ class Server:
                     raise RuntimeError(f"server did not start; see {log}") from None
                 time.sleep(0.3)
 
+    def route(self, body: dict) -> tuple[str, dict]:
+        """The path and body of a completion ``body`` (``prompt``, maybe ``image``: a data URL) for this server:
+        itself for mlx-lm, a chat with one user message for mlx-vlm."""
+        body = dict(body)
+        if self.runtime != "mlx_vlm":
+            return "/v1/completions", body
+        image, text = body.pop("image", None), body.pop("prompt")
+        content = text if image is None else [{"type": "image_url", "image_url": {"url": image}},
+                                              {"type": "text", "text": text}]
+        return "/v1/chat/completions", {**body, "model": self.model, "messages": [{"role": "user", "content": content}]}
+
     def complete(self, body: dict) -> tuple[float, dict]:
-        """Seconds to the whole answer, and the answer (``body``: a completion; mlx-vlm is sent it as a chat)."""
-        path = "/v1/completions"
-        if self.runtime == "mlx_vlm":
-            path, image = "/v1/chat/completions", body.pop("image", None)
-            content = body.pop("prompt") if image is None else [{"type": "image_url", "image_url": {"url": image}},
-                                                                {"type": "text", "text": body.pop("prompt")}]
-            body = {**body, "model": self.model, "messages": [{"role": "user", "content": content}]}
+        """Seconds to the whole answer, and the answer (``body``: as ``route`` takes it)."""
+        path, body = self.route(body)
         data = json.dumps(body).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
                                          headers={"Content-Type": "application/json"})
@@ -97,6 +107,18 @@ class Server:
         self.process.terminate()
         self.process.wait(timeout=30)
         self.log.close()
+
+
+def text_of(answer: dict) -> str:
+    """The generated text of a whole (not streamed) completion or chat completion."""
+    choice = answer["choices"][0]
+    return choice.get("text", choice.get("message", {}).get("content")) or ""
+
+
+def data_url(path: Path) -> str:
+    """``path`` (a picture) as a data URL a chat request can carry."""
+    kind = mimetypes.guess_type(path.name)[0] or "image/png"
+    return f"data:{kind};base64," + base64.b64encode(path.read_bytes()).decode()
 
 
 def workload(clients: int, requests: int, image: str | None = None, repeating: bool = False) -> list[list[dict]]:
@@ -115,14 +137,20 @@ def workload(clients: int, requests: int, image: str | None = None, repeating: b
     return out
 
 
-def run_load(server: Server, load: list[list[dict]]) -> dict:
-    """Run every client's requests concurrently; aggregate tokens/s, short-request latencies, draft counters."""
-    def client(bodies):
-        return [(body["max_tokens"], *server.complete(body)) for body in bodies]
+def run_load(server: Server, load: list[list[dict]], pace: float | None = None) -> dict:
+    """Run every client's requests concurrently; aggregate tokens/s, short-request latencies, draft counters. With
+    ``pace`` (seconds), client c of C sends request i no earlier than (i + c / C) × ``pace`` after the start."""
+    def client(c: int):
+        answers = []
+        for i, body in enumerate(load[c]):
+            if pace is not None:
+                time.sleep(max(0.0, start + (i + c / len(load)) * pace - time.perf_counter()))
+            answers.append((body["max_tokens"], *server.complete(body)))
+        return answers
 
     start = time.perf_counter()
     with ThreadPoolExecutor(len(load)) as pool:
-        answers = [a for done in pool.map(client, load) for a in done]
+        answers = [a for done in pool.map(client, range(len(load))) for a in done]
     wall = time.perf_counter() - start
     tokens = sum(a["usage"]["completion_tokens"] for _, _, a in answers)
     short = sorted(seconds for n, seconds, _ in answers if n == SHORT)
@@ -132,12 +160,12 @@ def run_load(server: Server, load: list[list[dict]]) -> dict:
             "accepted": sum(t.get("draft_n_accepted") or 0 for t in timings)}
 
 
-def result_path(out: Path, kind: str, runtime: str, model: Path) -> Path:
-    """``out/DATE-DEVICE-[RUNTIME-]KIND-MODEL.txt`` (``out`` created), the device name reduced to a file name."""
-    out.mkdir(parents=True, exist_ok=True)
-    device = re.sub(r"[^A-Za-z0-9.]+", "-", tuning.machine()["device_name"]).strip("-")
-    prefix = "" if runtime == "mlx_lm" else f"{runtime}-"
-    return out / f"{datetime.date.today().isoformat()}-{device}-{prefix}{kind}-{model.name}.txt"
+def result_name(kind: str, runtime: str, model: Path) -> str:
+    """``KIND-MODEL`` (mlx-lm) or ``mlx_vlm-KIND-MODEL-mlx-vlm-VERSION``: a result file's name after its date and
+    device (``measure.write_result``)."""
+    if runtime == "mlx_lm":
+        return f"{kind}-{model.name}"
+    return f"{runtime}-{kind}-{model.name}-mlx-vlm-{importlib.metadata.version('mlx-vlm')}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -150,31 +178,33 @@ def main() -> None:
     parser.add_argument("--runtime", choices=["mlx_lm", "mlx_vlm"], default="mlx_lm", help="whose server")
     parser.add_argument("--model", type=Path, default=REPO / "examples" / "tiny-qwen3_5" / "hf")
     parser.add_argument("--image", type=Path, help="mlx_vlm: a picture every other request carries")
+    parser.add_argument("--stock-model", type=Path,
+                        help=f"the stock and control servers' model (default: --model); {HEADLESS}")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--requests", type=int, default=8, help="requests per client (default 8)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per server and concurrency")
     parser.add_argument("--time-cap", type=float, default=900.0, help="seconds for the whole benchmark")
+    parser.add_argument("--pace", type=float, help="seconds between a client's request starts (default: none, each "
+                        "client sends its next request when the last one is answered)")
     parser.add_argument("--repeating", action="store_true", help="every other long request repeats its prompt")
     parser.add_argument("--plugin-args", default="", help="extra arguments of the plugin's server, e.g. '--no-mtp'")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                         help="another plugin server with these flags, e.g. no-lookup=--no-mtp-lookup")
     parser.add_argument("--out", type=Path, help="directory for the dated result file")
     args = parser.parse_args()
-    if min(args.concurrency) < 1 or args.requests < 1 or args.repeats < 1:
-        parser.error("--concurrency, --requests and --repeats must be at least 1")
+    if min(args.concurrency) < 1 or args.requests < 1 or args.repeats < 1 or (args.pace or 1) <= 0:
+        parser.error("--concurrency, --requests and --repeats must be at least 1, --pace above 0")
     if args.image is not None and args.runtime != "mlx_vlm":
         parser.error("--image needs --runtime mlx_vlm")
     if any("=" not in v for v in args.variant):
         parser.error("--variant takes NAME=ARGS")
-    image = None
-    if args.image is not None:
-        kind = mimetypes.guess_type(args.image.name)[0] or "image/png"
-        image = f"data:{kind};base64," + base64.b64encode(args.image.read_bytes()).decode()
+    image = None if args.image is None else data_url(args.image)
 
     logs = Path(tempfile.mkdtemp(prefix="mtp-server-load-"))
     plugins = {"plugin": args.plugin_args, **dict(v.split("=", 1) for v in args.variant)}
-    servers = {"stock": Server(args.runtime, args.model, True, logs / "stock.log"),
-               "control": Server(args.runtime, args.model, True, logs / "control.log"),
+    stock_model = args.stock_model or args.model
+    servers = {"stock": Server(args.runtime, stock_model, True, logs / "stock.log"),
+               "control": Server(args.runtime, stock_model, True, logs / "control.log"),
                **{name: Server(args.runtime, args.model, False, logs / f"{name}.log", tuple(flags.split()))
                   for name, flags in plugins.items()}}
     deadline = time.monotonic() + args.time_cap
@@ -190,7 +220,8 @@ def main() -> None:
                 break
             names = list(servers)
             for name in names[r % len(names):] + names[: r % len(names)]:
-                results[c][name].append(run_load(servers[name], workload(c, args.requests, image, args.repeating)))
+                load = workload(c, args.requests, image, args.repeating)
+                results[c][name].append(run_load(servers[name], load, args.pace))
         for c in args.concurrency:
             runs = min(len(v) for v in results[c].values())
             if not runs:
@@ -218,6 +249,9 @@ def main() -> None:
               f"(long {LONG} / short {SHORT} tokens alternating"
               + ("; every other long one repeats its prompt" if args.repeating else "")
               + (f"; every other one with {args.image.name}" if image else "")
+              + (f"; stock: {args.stock_model.name}" if args.stock_model else "")
+              + (f"; paced: request i of client c of C sent at (i + c/C) x {args.pace:g} s or when the last is answered"
+                 if args.pace else "")
               + f"), median of {args.repeats} interleaved runs; "
               + ", ".join(f"{name}: {flags or 'defaults'}" for name, flags in plugins.items()),
               f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
@@ -229,8 +263,8 @@ def main() -> None:
     text = "\n".join(header + lines) + "\n"
     print(text, end="")
     if args.out:
-        path = result_path(args.out, "server-load", args.runtime, args.model)
-        atomic_write(path, lambda tmp: tmp.write_text(text))
+        kind = "server-load-paced" if args.pace else "server-load"
+        path = measure.write_result(args.out, result_name(kind, args.runtime, args.model), text)
         print(f"written to {path}")
 
 

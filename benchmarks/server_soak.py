@@ -18,7 +18,6 @@ changed one under load that the stock server kept under the same load.
 """
 
 import argparse
-import base64
 import datetime
 import importlib.metadata
 import json
@@ -31,10 +30,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from server_load import PROMPTS, REPO, Server, result_path
+from server_load import HEADLESS, PROMPTS, REPO, Server, data_url, result_name, text_of
 from tqdm import tqdm
 
 from mtp_plugin import tuning
+from mtp_plugin.commands import measure
 
 SHORT_PROMPTS = ["x", "import os", "(", "def", " return"]  # 1 and 2 tokens: the head has no pair before step one
 LENGTHS = [1, 1, 2, 3, 8, 16, 32, 64]
@@ -63,14 +63,8 @@ def workload(requests: int, seed: int, image: str | None = None) -> list[dict]:
 
 def ask(server: Server, request: dict) -> tuple[str | None, str | None]:
     """``(text, None)`` for an answer, ``(None, why)`` for a failure."""
-    body, stream = dict(request["body"]), request["stream"]
-    path = "/v1/completions"
-    if server.runtime == "mlx_vlm":
-        path = "/v1/chat/completions"
-        image, text = body.pop("image", None), body.pop("prompt")
-        content = text if image is None else [{"type": "image_url", "image_url": {"url": image}},
-                                              {"type": "text", "text": text}]
-        body = {**body, "model": server.model, "messages": [{"role": "user", "content": content}]}
+    stream = request["stream"]
+    path, body = server.route(request["body"])
     data = json.dumps({**body, "stream": stream}).encode()
     http = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=data,
                                   headers={"Content-Type": "application/json"})
@@ -83,8 +77,7 @@ def ask(server: Server, request: dict) -> tuple[str | None, str | None]:
         return None, f"{type(e).__name__}: {e}"
     try:
         if not stream:
-            choice = json.loads(raw)["choices"][0]
-            return choice.get("text", choice.get("message", {}).get("content")) or "", None
+            return text_of(json.loads(raw)), None
         events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
         if not events or events[-1] != "[DONE]":
             return None, "stream ended without [DONE]"
@@ -121,9 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runtime", choices=["mlx_lm", "mlx_vlm"], default="mlx_lm", help="whose server")
     parser.add_argument("--model", type=Path, default=REPO / "examples" / "tiny-qwen3_5" / "hf")
-    parser.add_argument("--stock-model", type=Path,
-                        help="the stock server's model (default: --model); a copy without the head's files where stock "
-                             "cannot load the head (mlx-vlm 0.6.5-0.6.8 shifts its norms twice)")
+    parser.add_argument("--stock-model", type=Path, help=f"the stock server's model (default: --model); {HEADLESS}")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
@@ -134,9 +125,7 @@ def main() -> None:
         parser.error("--requests and --clients must be at least 1")
     if args.image is not None and args.runtime != "mlx_vlm":
         parser.error("--image needs --runtime mlx_vlm")
-    image = None
-    if args.image is not None:
-        image = "data:image/png;base64," + base64.b64encode(args.image.read_bytes()).decode()
+    image = None if args.image is None else data_url(args.image)
     load = workload(args.requests, args.seed, image)
     logs = Path(tempfile.mkdtemp(prefix="mtp-server-soak-"))
     stock = Server(args.runtime, args.stock_model or args.model, True, logs / "stock.log")
@@ -178,8 +167,7 @@ def main() -> None:
     text = "\n".join(summary) + "\n"
     print(text, end="")
     if args.out:
-        path = result_path(args.out, "server-soak", args.runtime, args.model)
-        path.write_text(text)
+        path = measure.write_result(args.out, result_name("server-soak", args.runtime, args.model), text)
         print(f"written to {path}")
     sys.exit(1 if failures["plugin alone"] or failures["plugin"] or blamed else 0)
 

@@ -288,6 +288,31 @@ def test_a_cancelled_request_leaves_the_others_as_stock(checkpoint):
     assert second == expected[1] and not split.has_work and not split.requests
 
 
+@pytest.mark.parametrize("depth", [None, 2], ids=["default", "fixed-depth"])
+def test_a_batch_drafts_where_mlx_vlm_verifies_it_in_one_pass(checkpoint, monkeypatch, depth):
+    """mlx-vlm 0.7 verifies a batch's rows in one pass: two rows draft together. 0.6 verifies them one at a time: two
+    rows draft together only when their requests fix ``mtp_depth``, else they take plain steps. Stock's tokens."""
+    from mlx_vlm.server.generation import GenerationArguments
+    from mtp_plugin.adapters.mlx_lm_server import MTPRequest
+
+    from mtp_plugin.decoding.batch import BatchDrafter
+
+    _, make, decode = _generators(checkpoint)
+    args = GenerationArguments(max_tokens=12)
+    args.mtp = MTPRequest(None, depth)
+    expected = decode(make(False, args), args)
+    cycle, widths = BatchDrafter.cycle, []
+
+    def counted(self, rows, *a, **k):
+        widths.append(len(rows))
+        return cycle(self, rows, *a, **k)
+
+    monkeypatch.setattr(BatchDrafter, "cycle", counted)
+    assert decode(make(True, args), args) == expected
+    together = widths.count(2)
+    assert together > 0 if release("mlx-vlm") >= (0, 7) or depth else together == 0, widths
+
+
 def test_concurrent_requests_as_alone(servers):
     """Concurrent requests (text and images, greedy and sampled) draft in one batch and get the stock server's
     answers (the server's sampler keys its draws by position: sampled ones too)."""
