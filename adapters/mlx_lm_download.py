@@ -9,6 +9,7 @@ import functools
 import logging
 from pathlib import Path
 
+from mtp_plugin.confine import OutsideRoot, confined
 from mtp_plugin.loading.checkpoint import head_files
 
 log = logging.getLogger("mtp_plugin")
@@ -33,7 +34,7 @@ def fetch_head_files(download):
         path = download(path_or_hf_repo, revision=revision, allow_patterns=allow_patterns)
         if Path(path_or_hf_repo).exists() or offline():
             return path
-        missing = [name for name in head_files(Path(path)) if not (Path(path) / name).exists()]
+        missing = [name for name in head_files(Path(path)) if _absent_inside(Path(path), name)]
         if missing:
             try:
                 with _quiet_when_none_matches():  # sidecars the repository lacks are expected
@@ -43,6 +44,15 @@ def fetch_head_files(download):
         return path
 
     return wrapper
+
+
+def _absent_inside(snapshot: Path, name: str) -> bool:
+    """Whether head file ``name`` is missing from ``snapshot``; False for a name outside it (``confine``: never
+    fetched or looked at; the loader names it)."""
+    try:
+        return not confined(snapshot, name, "a head file", links=True).exists()
+    except OutsideRoot:
+        return False
 
 
 @contextlib.contextmanager

@@ -132,13 +132,15 @@ class MTPCounters:
 
 def mtp_counters(stats_since):
     """Wrap ``speculative_stats_since(draft_model, snapshot) -> (rounds, accepted, drafted)``: an MTP request's
-    counters (all None when it decoded without MTP)."""
+    counters, head and lookup drafts together as mlx-lm's server counts them (all None when it decoded without
+    MTP)."""
 
     @functools.wraps(stats_since)
     def wrapper(draft_model, snapshot, *args, **kwargs):
         if isinstance(snapshot, MTPCounters):
-            stats = snapshot.options.stats
-            return (None, None, None) if stats is None else (stats.cycles, stats.accepted, stats.drafted)
+            s = snapshot.options.stats
+            return (None, None, None) if s is None else (s.cycles + s.lookup_cycles, s.accepted + s.lookup_accepted,
+                                                         s.drafted + s.lookup_drafted)
         return stats_since(draft_model, snapshot, *args, **kwargs)
 
     return wrapper

@@ -292,16 +292,21 @@ def test_bad_metadata_named_by_file_and_key(tmp_path, tiny, caplog, case):
 
 # --- where the head file is, and what is wrong with it -----------------------------------------------------
 
-def test_sidecar_named_by_absolute_path(tmp_path, tiny):
+def test_sidecar_kept_elsewhere_serves_through_a_link_not_an_absolute_name(tmp_path, tiny):
     config, _, weights, head, _ = tiny
     elsewhere = tmp_path / "heads" / "draft.safetensors"
     elsewhere.parent.mkdir()
     mx.save_safetensors(str(elsewhere), {f"mtp.{k}": v for k, v in head.items()})
     path = save_checkpoint(tmp_path / "m", {**config, "mtp_sidecar": str(elsewhere)}, weights)
-    model = lm_load(path)
-    assert str(elsewhere) in model.mtp_head.summary()
+    assert lm_load(path).mtp_head is None  # a name outside the directory is never opened
     report = inspect_dir(path)
-    assert report["can_run"] and report["files"] == {str(elsewhere): len(head)}
+    assert not report["can_run"] and any(f"'{elsewhere}'" in p and "link" in p for p in report["problems"]), report
+    (path / "draft.safetensors").symlink_to(elsewhere)
+    (path / "config.json").write_text(json.dumps({**config, "mtp_sidecar": "draft.safetensors"}))
+    model = lm_load(path)
+    assert "draft.safetensors" in model.mtp_head.summary()
+    report = inspect_dir(path)
+    assert report["can_run"] and report["files"] == {"draft.safetensors": len(head)}
     from mtp_plugin.adapters.mlx_lm_decoding import announce
 
     announce(model.mtp_head, 2)  # what mlx_lm.generate --verbose prints first

@@ -80,14 +80,20 @@ def test_commands_name_an_invalid_config_json(model, tmp_path, capsys, command, 
     assert not (tmp_path / "out").exists() and not (tmp_path / "head.safetensors").exists()
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-def test_commands_name_a_text_config_that_is_not_an_object(model, tmp_path, capsys, command):
+@pytest.mark.parametrize("command", [*COMMANDS, "graft-donor"])
+@pytest.mark.parametrize("value,kind", [("abc", "a string"), (None, "null")])
+def test_commands_name_a_text_config_that_is_not_an_object(model, tmp_path, capsys, command, value, kind):
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "text_config": "abc"}))
-    assert exit_code(model_args(command, model, tmp_path)) == 1
+    (model / "config.json").write_text(json.dumps({**config, "text_config": value}))
+    if command == "graft-donor":  # the donor's config is refused too, not read as one without dimensions
+        recipient = Path(shutil.copytree(MLX4, tmp_path / "recipient", ignore=shutil.ignore_patterns("mtp.*")))
+        args = ["graft", "--recipient", recipient, "--donor", model, "--out", tmp_path / "out"]
+    else:
+        args = model_args(command, model, tmp_path)
+    assert exit_code(args) == 1
     err = capsys.readouterr().err
-    assert f"mtp-plugin: {model / 'config.json'}: \"text_config\" is a string, not a JSON object" in err, err
-    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    assert f"mtp-plugin: {model / 'config.json'}: \"text_config\" is {kind}, not a JSON object" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("command", COMMANDS)

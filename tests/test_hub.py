@@ -266,3 +266,124 @@ def test_inspect_names_the_graft_with_the_model_cards_donor(hub, home, tmp_path)
     out = cli(hub, home, "inspect", snapshot)
     assert out.returncode == 1
     assert f"mtp-plugin graft --recipient {RECIPIENT} --donor {DONOR} --out tiny-4bit-mtp" in out.stdout, out.stdout
+
+
+SHARD2 = "model-00002-of-00002.safetensors"
+
+
+def files_under(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes (the whole temporary tree a hostile repository must not reach)."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def hostile_repo(hub: Hub, repos: dict, repo: str, index: dict[str, str] | None = None,
+                 shard: bytes | None = None, extra: dict[str, bytes] | None = None) -> None:
+    """Serve ``repo``: the donor, its index's head entries pointing at ``index[name]`` (a name the repository also
+    serves, with the donor's second shard's bytes), its second shard replaced by ``shard``, and ``extra`` files."""
+    hub.repos[repo] = repos[DONOR]
+    files = dict(extra or {})
+    if index is not None:
+        data = json.loads((repos[DONOR] / INDEX).read_text())
+        for key in data["weight_map"]:
+            if key.startswith("mtp."):
+                data["weight_map"][key] = index["mtp"]
+        files[INDEX] = json.dumps(data).encode()
+        files[index["mtp"]] = (repos[DONOR] / SHARD2).read_bytes()
+    if shard is not None:
+        files[SHARD2] = shard
+    hub.extra[repo] = files
+
+
+def rewrite_header(data: bytes, change) -> bytes:
+    """A safetensors file's bytes with its JSON header passed through ``change`` (the data section kept)."""
+    length = int.from_bytes(data[:8], "little")
+    header = change(json.loads(data[8:8 + length]))
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data[8 + length:]
+
+
+def overlapping(header: dict) -> dict:
+    """Every head tensor's bytes start where the first one's do."""
+    start = min(v["data_offsets"][0] for k, v in header.items() if k.startswith("mtp."))
+    for key, value in header.items():
+        if key.startswith("mtp."):
+            value["data_offsets"] = [start, start + value["data_offsets"][1] - value["data_offsets"][0]]
+    return header
+
+
+def negative(header: dict) -> dict:
+    key = next(k for k in header if k.startswith("mtp."))
+    header[key]["data_offsets"] = [-header[key]["data_offsets"][1], header[key]["data_offsets"][0]]
+    return header
+
+
+@pytest.mark.parametrize("name", ["../../../../x/y.safetensors", "sub/../../../y.safetensors", "ABSOLUTE"],
+                         ids=["dotdot", "sub-dotdot", "absolute"])
+def test_an_index_naming_files_outside_the_cache_writes_nothing_there(hub, home, tmp_path, repos, local_recipient,
+                                                                      name):
+    victim = tmp_path / "victim" / "y.safetensors"
+    victim.parent.mkdir()
+    victim.write_bytes(b"the user's own file")
+    name = str(victim) if name == "ABSOLUTE" else name
+    hostile_repo(hub, repos, "tests/traversal", index={"mtp": name})
+    before = files_under(tmp_path)
+    out = cli(hub, home, "graft", "--recipient", local_recipient, "--donor", "tests/traversal", "--out",
+              tmp_path / "grafted")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "tests/traversal" in lines[0] and repr(name) in lines[0] and "outside" in lines[0], lines
+    after = files_under(tmp_path)
+    assert {k: v for k, v in after.items() if not k.startswith("hf-home/")} == before  # only the cache was written
+    assert not (tmp_path / "grafted").exists()
+
+
+@pytest.mark.parametrize("lie,says", [
+    (lambda data: rewrite_header(data, overlapping), "overlap another tensor"),
+    (lambda data: rewrite_header(data, negative), "are not [begin, end] with 0 <= begin <= end"),
+    (lambda data: (2 ** 62).to_bytes(8, "little") + data[8:], f"header length {2 ** 62} exceeds"),
+    (lambda data: rewrite_header(data, lambda header: list(header)), "its header is a JSON list, not an object"),
+], ids=["overlapping", "negative", "huge-length", "array"])
+def test_a_lying_header_on_the_hub_is_refused_before_its_bytes_are_fetched(hub, home, tmp_path, repos,
+                                                                           local_recipient, lie, says):
+    hostile_repo(hub, repos, "tests/liar", shard=lie((repos[DONOR] / SHARD2).read_bytes()))
+    hub.served = 0
+    out = cli(hub, home, "extract", "--hf", "tests/liar", "--out", tmp_path / "head.safetensors")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"tests/liar: {SHARD2}: unreadable safetensors header" in lines[0], lines
+    assert says in lines[0], lines
+    header = int.from_bytes((repos[DONOR] / SHARD2).read_bytes()[:8], "little")
+    assert hub.served <= 8 + 2 * header, hub.served  # the header, never the tensors
+    assert not (tmp_path / "head.safetensors").exists()
+    assert not list((home / "mtp_plugin").rglob("*.safetensors*")), list((home / "mtp_plugin").rglob("*"))
+
+
+def test_a_head_that_arrives_corrupted_is_never_kept(hub, home, tmp_path, local_recipient, local_graft):
+    args = ("graft", "--recipient", local_recipient, "--donor", DONOR, "--out")
+    hub.corrupt = True
+    try:
+        out = cli(hub, home, *args, tmp_path / "a")
+    finally:
+        hub.corrupt = False
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"{DONOR}: the fetched head does not read" in out.stderr and "non-finite" in out.stderr, out.stderr
+    assert not list((home / "mtp_plugin").rglob("*.safetensors*")), list((home / "mtp_plugin").rglob("*"))
+    hub.served = 0
+    out = cli(hub, home, *args, tmp_path / "b")  # the Hub healthy again: fetched anew, no folder to delete first
+    assert out.returncode == 0 and hub.served > 0, out.stderr
+    same_tree(tmp_path / "b", local_graft)
+
+
+def test_a_cached_head_that_does_not_read_is_fetched_again_once(hub, home, tmp_path, local_recipient, local_graft):
+    args = ("graft", "--recipient", local_recipient, "--donor", DONOR, "--out")
+    assert cli(hub, home, *args, tmp_path / "a").returncode == 0
+    cached = next((home / "mtp_plugin" / "heads").rglob(SHARD2))
+    data = cached.read_bytes()
+    cached.write_bytes(data[:-64] + b"\xff" * 64)  # a disk fault inside the last head tensor
+    hub.served = 0
+    out = cli(hub, home, *args, tmp_path / "b")
+    assert out.returncode == 0, out.stderr
+    warnings = [line for line in out.stderr.splitlines() if "discarded and fetched again" in line]
+    assert len(warnings) == 1 and DONOR in warnings[0] and "non-finite" in warnings[0], out.stderr
+    assert hub.served > 0 and cached.read_bytes() == data
+    same_tree(tmp_path / "b", local_graft)

@@ -18,6 +18,7 @@ from helpers.console_runs import CONCURRENT, MLX4, PROMPTS, REPO, environment
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 CHAT = [{"role": "user", "content": "def parse(text):"}]
+REPEATING = "x = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,"  # the bundled model's answer repeats a token pair
 
 
 class Server:
@@ -108,6 +109,16 @@ def test_completion_with_mtp_matches_plain_and_counts_drafts(server):
     assert text_of(mtp) == text_of(plain) and mtp["usage"]["completion_tokens"] == 24
     assert mtp["timings"]["draft_n"] > 0 and 0 < mtp["timings"]["draft_n_accepted"] <= mtp["timings"]["draft_n"]
     assert plain["timings"] == {"draft_n": 0, "draft_n_accepted": 0}
+
+
+def test_lookup_drafts_are_counted(server):
+    """On a prompt whose continuation repeats it, ``draft_n`` / ``draft_n_accepted`` count the lookup drafts beside
+    the head's (mlx-vlm's server counts them the same way)."""
+    _, head = server.post("/v1/completions", completion(REPEATING, mtp_depth=1, mtp_lookup=False, max_tokens=64))
+    _, both = server.post("/v1/completions", completion(REPEATING, mtp_depth=1, max_tokens=64))
+    assert text_of(head) == text_of(both)
+    assert head["timings"]["draft_n"] <= 64  # depth 1: at most a head draft a token
+    assert both["timings"]["draft_n_accepted"] > head["timings"]["draft_n_accepted"], (head, both)
 
 
 def test_request_depth_is_used(server):

@@ -1,20 +1,31 @@
-"""A third-party plugin (an ``mtp_plugin`` entry point) that cannot be imported, implements a hook the spec lacks,
-or raises from a hook is disabled alone, with one warning naming it: ``mlx_lm.generate`` still decodes with MTP and
-the same text as with no such plugin installed."""
+"""A third-party plugin (an ``mtp_plugin`` entry point) that cannot be imported, exits at import, implements a hook
+the spec lacks, raises from a hook or returns what its hookspec forbids is disabled alone, with one warning naming it
+and the hook: ``mlx_lm.generate`` still decodes with MTP and the same text as with no such plugin installed, and
+``mtp-plugin inspect`` still reports the head."""
 
 import pytest
 from helpers.console_runs import BIN, MLX4, Generation, console, generate_args, run
 
+from mtp_plugin import hookspecs
+from mtp_plugin.hook_results import CONTRACTS
+
+HOOK = "from mtp_plugin.hookspecs import hookimpl\n\n\n@hookimpl\n"
 PLUGINS = {
     "import": "raise ImportError('no module named torch')\n",
-    "unknown-hook": ("from mtp_plugin.hookspecs import hookimpl\n\n\n@hookimpl\ndef mtp_head_nam(name, model_type):\n"
-                     "    return None\n"),
-    "raising-hook": ("from mtp_plugin.hookspecs import hookimpl\n\n\n@hookimpl\n"
-                     "def mtp_head_name(name, model_type, sidecar, config):\n    raise RuntimeError('boom')\n"),
+    "exit": "import sys\n\nsys.exit(3)\n",
+    "unknown-hook": HOOK + "def mtp_head_nam(name, model_type):\n    return None\n",
+    "raising-hook": HOOK + "def mtp_head_name(name, model_type, sidecar, config):\n    raise RuntimeError('boom')\n",
+    "model-types-str": HOOK + "def mtp_model_types():\n    return 'qwen3_5'\n",
+    "object-head": HOOK + "def mtp_build_head(model, config):\n    return object()\n",
+    "claims-every-tensor": HOOK + "def mtp_head_name(name, model_type, sidecar, config):\n    return name\n",
 }
 WHY = {"import": "cannot be loaded (ImportError: no module named torch)",
+       "exit": "exited at import (SystemExit: 3)",
        "unknown-hook": "cannot be loaded (PluginValidationError",
-       "raising-hook": "raised from mtp_head_name (RuntimeError"}
+       "raising-hook": "raised from mtp_head_name (RuntimeError",
+       "model-types-str": "returned 'qwen3_5' from mtp_model_types, which must return a list of model-type strings",
+       "object-head": "from mtp_build_head, which must return an mlx.nn.Module, or None",
+       "claims-every-tensor": "answered mtp_head_name in a way that broke "}
 
 
 def install(site, fault: str) -> None:
@@ -35,3 +46,17 @@ def test_a_broken_third_party_plugin_disables_itself_alone(tmp_path, fault):
     assert generation.mtp is not None and int(generation.mtp[2]) > 0, out.stdout  # drafted
     warnings = [line for line in out.stderr.splitlines() if "plugin 'broken'" in line]
     assert len(warnings) == 1 and WHY[fault] in warnings[0] and "disabled" in warnings[0], out.stderr
+
+
+@pytest.mark.parametrize("fault", ["exit", "model-types-str", "object-head", "claims-every-tensor"])
+def test_inspect_goes_on_without_a_broken_plugin(tmp_path, fault):
+    install(tmp_path, fault)
+    out = run([BIN / "mtp-plugin", "inspect", MLX4], PYTHONPATH=str(tmp_path))
+    assert "can_run:            yes" in out.stdout and "Traceback" not in out.stderr, out.stdout + out.stderr
+    warnings = [line for line in out.stderr.splitlines() if "plugin 'broken'" in line]
+    assert len(warnings) == 1 and WHY[fault] in warnings[0], out.stderr
+
+
+def test_every_hook_has_a_result_contract():
+    specs = {name for name in dir(hookspecs) if name.startswith("mtp_")}
+    assert specs == set(CONTRACTS)

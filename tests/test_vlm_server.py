@@ -16,7 +16,7 @@ import pytest
 from helpers.builders import png
 from helpers.console_runs import HF, environment
 from mtp_plugin.adapters.patching import release
-from test_server import Server, text_of
+from test_server import REPEATING, Server, text_of
 
 # mlx-vlm 0.7's response schema carries the speculative counters; 0.6's has no such field
 COUNTERS = release("mlx-vlm") >= (0, 7)
@@ -92,12 +92,13 @@ def test_default_request_decodes_with_mtp_as_stock(servers, image, stream):
         assert stock_timings.get("draft_n") is None
 
 
-@pytest.mark.parametrize("options", [{"mtp_depth": 1}, {"mtp_depth": 3}, {"enable_mtp": True, "mtp_depth": 2},
+@pytest.mark.parametrize("options", [{"mtp_depth": 1, "mtp_lookup": False}, {"mtp_depth": 3, "mtp_lookup": False},
+                                     {"enable_mtp": True, "mtp_depth": 2, "mtp_lookup": False},
                                      {"enable_mtp": False, "mtp_depth": 2}, {}],
                          ids=["depth1", "depth3", "enabled-depth2", "off", "none"])
 def test_image_request_options(servers, options):
     """``enable_mtp`` and ``mtp_depth`` as in mlx-lm's server: every request drafts unless it says
-    ``"enable_mtp": false``; a depth is drafted at every cycle of a lone request."""
+    ``"enable_mtp": false``; a depth is drafted at every head cycle of a lone request."""
     plugin, stock = servers
     text, timings = answer(plugin, chat(image=IMAGE, **options))
     assert text == answer(stock, chat(image=IMAGE))[0]
@@ -106,6 +107,17 @@ def test_image_request_options(servers, options):
         assert (timings.get("draft_n") is not None) == wanted, timings
         if wanted and "mtp_depth" in options:
             assert timings["draft_n"] == options["mtp_depth"] * timings["draft_rounds"], timings
+
+
+@pytest.mark.skipif(not COUNTERS, reason=NO_COUNTERS)
+def test_lookup_drafts_are_counted_as_in_mlx_lms_server(servers):
+    """On a prompt whose answer repeats it, ``draft_n`` / ``draft_n_accepted`` count the lookup drafts beside the
+    head's (``draft_rounds``: every cycle), as mlx-lm's server counts them."""
+    plugin, _ = servers
+    head = answer(plugin, chat(REPEATING, mtp_depth=1, mtp_lookup=False, max_tokens=64))[1]
+    both = answer(plugin, chat(REPEATING, mtp_depth=1, max_tokens=64))[1]
+    assert head["draft_n"] == head["draft_rounds"], head  # one head draft a cycle
+    assert both["draft_n"] > both["draft_rounds"] and both["draft_n_accepted"] > head["draft_n_accepted"], both
 
 
 @pytest.mark.skipif(not COUNTERS, reason="mlx-vlm 0.6 returns bfloat16 log-probs: a verify pass and single-token "
@@ -346,7 +358,7 @@ def test_command_line_defaults(checkpoint, servers, flags):
                     checkpoint.parent, environment())
     server.model = str(checkpoint)
     try:
-        text, timings = answer(server, chat(image=IMAGE))
+        text, timings = answer(server, chat(image=IMAGE, mtp_lookup=False))
         assert text == answer(stock, chat(image=IMAGE))[0]
         if flags[0] == "--no-mtp":  # only an explicit enable_mtp drafts
             assert timings.get("draft_n") is None

@@ -14,7 +14,7 @@ from ..loading.card import graft_command
 from ..loading.checkpoint import CheckpointError, HeadLocation, find_head, trunk_headers
 from ..loading.diagnostics import head_statistics, judge
 from ..loading.validation import Validation, validate
-from ..plugins import hook
+from ..plugins import hook, retried_without_answerers
 
 
 def trunk_quantization(location: HeadLocation, headers: dict) -> str:
@@ -28,14 +28,23 @@ def trunk_quantization(location: HeadLocation, headers: dict) -> str:
     return describe_quantization(None, dtype)
 
 
+def _validated(model_dir: Path) -> tuple[HeadLocation, Validation | None]:
+    """``model_dir``'s head location and its validation (None for a model type no plugin handles)."""
+    location = find_head(model_dir)
+    handled = location.model_type in sum(hook().mtp_model_types(), [])
+    return location, validate(location) if handled else None
+
+
 def inspect_dir(model_dir: Path) -> dict:
     """The inspect report of ``model_dir`` as a JSON-ready dict (keys: docs/commands.md#inspect).
 
     Raises:
         CheckpointError: unreadable config.json or weights header.
     """
-    location = find_head(Path(model_dir))
-    handled = location.model_type in sum(hook().mtp_model_types(), [])
+    location, validation = retried_without_answerers(
+        "mtp_head_name", "the head's validation", lambda: _validated(Path(model_dir)),
+        lambda found: found[1].problems[0] if found[1] is not None and found[1].problems else None)
+    handled = validation is not None
     headers = trunk_headers(location)
     problems = []
     try:
@@ -62,7 +71,6 @@ def inspect_dir(model_dir: Path) -> dict:
     if not handled:
         problems.append(f"model type {location.model_type!r} has no MTP support in any installed plugin")
         return report
-    validation = validate(location)
     problems += validation.problems
     if not location.tensors and not problems:
         command = graft_command(location.model_dir, online=True)

@@ -5,7 +5,9 @@ its head tensors). Every request goes through huggingface_hub. Design: docs/comm
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -13,9 +15,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..confine import OutsideRoot, confined
 from ..files import user_mode
-from ..loading.checkpoint import INDEX, CheckpointError, find_head, head_files, head_tensors
+from ..loading.checkpoint import INDEX, CheckpointError, find_head, head_files, head_tensors, read_config
+from ..loading.safetensors_header import HeaderError, read_header
+from ..loading.validation import stored_problems
 from ..plugins import hook
+
+log = logging.getLogger("mtp_plugin")
 
 RETRIES = 5  # tries per byte range, each resuming where the last one stopped
 
@@ -91,23 +98,31 @@ def head_checkpoint(repo_id: str, revision: str | None = None, check_config=None
     """A local directory with the head of Hub repository ``repo_id`` at ``revision`` (default: main): config.json, the
     index and only the head tensors' bytes, kept under ``heads_cache()`` by repository and commit (a second call
     fetches nothing, offline too; a cut-off fetch resumes). Offline, a cached snapshot of the whole checkpoint serves.
+    Everything the repository sends is hostile until checked: names stay in the cache (``confine``), headers are
+    ``safetensors_header``'s, and a fetched head is published only once it reads (``validation.stored_problems``); a
+    cached one that does not is discarded and fetched again, once, with one warning.
     ``check_config``: called with config.json (a dict) before any tensor byte is fetched; may raise. HubError: the
-    repository, revision or a file cannot be fetched (offline and uncached included), or no file holds head tensors."""
+    repository, revision or a file cannot be fetched (offline and uncached included), no file holds head tensors, or
+    what it sends breaks a rule above."""
     from filelock import FileLock
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.file_download import repo_folder_name
+    from huggingface_hub.utils import validate_repo_id
 
+    validate_repo_id(repo_id)  # HFValidationError (a ValueError): the cache folder is named after it
     where = repo_id if revision is None else f"{repo_id} at revision {revision}"
     try:
         config_file = Path(hf_hub_download(repo_id, "config.json", revision=revision))
     except Exception as e:  # noqa: BLE001 - huggingface_hub raises many kinds; all mean the same here
         raise HubError(_unreachable(repo_id, revision, "config.json (and it is no local path)", e)) from e
     snapshot, commit = config_file.parent, config_file.parent.name
-    config = json.loads(config_file.read_text())
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):
+        raise HubError(f"{where}: the Hub answered commit {commit!r}, not a commit hash; refused")
+    config = read_config(snapshot)
     if check_config is not None:
         check_config(config)
     folder = heads_cache() / repo_folder_name(repo_id=repo_id, repo_type="model")
-    if (folder / commit / "config.json").is_file():
+    if _cached(folder / commit, where):
         return folder / commit
     if constants.HF_HUB_OFFLINE:
         if find_head(snapshot, config).tensors:  # the whole checkpoint downloaded before
@@ -116,32 +131,53 @@ def head_checkpoint(repo_id: str, revision: str | None = None, check_config=None
                                     "HF_HUB_OFFLINE is set and they are not cached"))
     (folder / "incomplete").mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder / "incomplete" / f"{commit}.lock")):
-        if (folder / commit / "config.json").is_file():  # another process fetched it meanwhile
+        if _cached(folder / commit, where):  # another process fetched it meanwhile
             return folder / commit
         try:
-            heads = _head_files(repo_id, commit, snapshot, config, where)
+            heads = _head_files(repo_id, commit, snapshot, config, where, folder / commit)
             parts = {r.name: _fetch(repo_id, commit, r, folder / "incomplete") for r in heads}
-        except HubError:
+        except (HubError, OutsideRoot):
             raise
         except Exception as e:  # noqa: BLE001
             raise HubError(_unreachable(repo_id, revision, "the head", e)) from e
-        return _publish(folder, commit, snapshot, parts)
+        return _publish(folder, commit, snapshot, parts, where)
 
 
-def _head_files(repo_id: str, commit: str, snapshot: Path, config: dict, where: str) -> list[RemoteFile]:
-    """The repository's files holding head tensors, from their headers; HubError when none does."""
+def _cached(head: Path, where: str) -> bool:
+    """Whether a fetched head is kept at ``head`` and reads; one that does not is removed, with one warning."""
+    if not (head / "config.json").is_file():
+        return False
+    try:
+        problems = stored_problems(find_head(head))
+    except CheckpointError as e:
+        problems = [str(e)]
+    if not problems:
+        return True
+    log.warning("mtp_plugin: %s: the cached head in %s does not read (%s); it is discarded and fetched again", where,
+                head, problems[0])
+    shutil.rmtree(head, ignore_errors=True)  # another process may be discarding it too
+    return False
+
+
+def _head_files(repo_id: str, commit: str, snapshot: Path, config: dict, where: str, root: Path
+                ) -> list[RemoteFile]:
+    """The repository's files holding head tensors, from their checked headers; HubError when none does, or a name
+    (index, config, file list) would leave ``root``, where they are kept."""
     from huggingface_hub import HfApi, hf_hub_download
 
-    files = {s.rfilename for s in HfApi().model_info(repo_id, revision=commit).siblings}
+    sizes = {s.rfilename: s.size for s in HfApi().model_info(repo_id, revision=commit, files_metadata=True).siblings}
     listed = set()
-    if INDEX in files:
+    if INDEX in sizes:
         index = json.loads(Path(hf_hub_download(repo_id, INDEX, revision=commit)).read_text())
         listed = set((index.get("weight_map") or {}).values()) if isinstance(index, dict) else set()
-    names = {f for f in head_files(snapshot) if f in files}
-    names |= {f for f in files if f.endswith(".safetensors") and "/" not in f and f not in listed}
-    sidecars = {p.relative_to(snapshot).as_posix() for found in
+    names = {f for f in head_files(snapshot) if f in sizes}
+    names |= {f for f in sizes if f.endswith(".safetensors") and "/" not in f and f not in listed}
+    for name in names:
+        confined(root, name, f"{where}: a file its index, config or file list names")
+    sidecars = {os.path.relpath(p, snapshot) for found in
                 hook().mtp_sidecar_paths(model_dir=snapshot, config=config) for p in found}
-    heads = [r for f in sorted(names) if (r := _remote_file(repo_id, commit, f, config, f in sidecars)).entries]
+    heads = [r for f in sorted(names) if (r := _remote_file(repo_id, commit, f, sizes[f], config, f in sidecars,
+                                                            where)).entries]
     if not heads:
         read = ", ".join(sorted(names)) or "none: no safetensors file may hold them"
         raise HubError(f"{where}: no MTP head tensors in the files that may hold them ({read}); pick a donor that "
@@ -169,16 +205,23 @@ def _unreachable(repo_id: str, revision: str | None, what: str, reason) -> str:
             "directory")
 
 
-def _remote_file(repo_id: str, commit: str, name: str, config: dict, sidecar: bool) -> RemoteFile:
-    """The head tensors of ``name`` from its header, read with two ranged requests."""
+def _remote_file(repo_id: str, commit: str, name: str, size: int | None, config: dict, sidecar: bool, where: str
+                 ) -> RemoteFile:
+    """The head tensors of ``name`` (``size`` bytes, as the file list says) from its header, read with two ranged
+    requests and checked (``safetensors_header``); HubError naming the file when it breaks a rule."""
+    if size is None:
+        raise HubError(f"{where}: {name}: the Hub reports no size for it, so its header cannot be checked; download "
+                       "the repository (`hf download`) and pass its directory")
     url = _url(repo_id, commit, name)
-    length = struct.unpack("<Q", _read_range(url, 0, 8))[0]
-    header = json.loads(_read_range(url, 8, 8 + length))
-    metadata = header.pop("__metadata__", None)
-    shapes = {n: (tuple(e["shape"]), e["dtype"]) for n, e in header.items()}
+    try:
+        header = read_header(lambda start, end: _read_range(url, start, end), size)
+    except HeaderError as e:
+        raise HubError(f"{where}: {name}: unreadable safetensors header ({e}); the repository's file is broken or "
+                       "hostile: pick another donor") from None
+    shapes = header.shapes()
     found = {t.name for t in head_tensors(Path(name), shapes, config, sidecar)}
-    entries = {n: header[n] for n in sorted(found, key=lambda n: header[n]["data_offsets"][0])}
-    return RemoteFile(name, entries, metadata, 8 + length)
+    return RemoteFile(name, {n: e for n, e in header.entries.items() if n in found}, header.metadata,
+                      header.data_start)
 
 
 def _url(repo_id: str, commit: str, name: str) -> str:
@@ -265,16 +308,22 @@ def _transient(error: Exception) -> bool:
     return isinstance(error, OSError) or any(c.__name__ == "TransportError" for c in type(error).__mro__)
 
 
-def _publish(folder: Path, commit: str, snapshot: Path, parts: dict[str, Path]) -> Path:
-    """Move ``parts`` (name → ``.part``), config.json and the index into ``folder/commit`` (built, then renamed)."""
+def _publish(folder: Path, commit: str, snapshot: Path, parts: dict[str, Path], where: str) -> Path:
+    """Move ``parts`` (name → ``.part``), config.json and the index into ``folder/commit`` (built, then renamed) once
+    the head there reads (``validation.stored_problems``); else remove them and raise HubError."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{commit}.", dir=folder))
     try:
         for name in ("config.json", INDEX):
             if (snapshot / name).is_file():
                 shutil.copyfile(snapshot / name, tmp / name)
         for name, part in parts.items():
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(part, tmp / name)
+            target = confined(tmp, name, f"{where}: a head file")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(part, target)
+        problems = stored_problems(find_head(tmp))
+        if problems:
+            raise HubError(f"{where}: the fetched head does not read ({problems[0].replace(f'{tmp}/', '')}); "
+                           "nothing was kept: run the command again, or pick another donor if it fails the same way")
         os.chmod(tmp, user_mode(directory=True))
         os.rename(tmp, folder / commit)
     except OSError:
@@ -283,5 +332,7 @@ def _publish(folder: Path, commit: str, snapshot: Path, parts: dict[str, Path]) 
             raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for part in parts.values():
+            part.unlink(missing_ok=True)
         raise
     return folder / commit

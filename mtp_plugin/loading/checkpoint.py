@@ -11,9 +11,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..confine import OutsideRoot, confined, relative_inside
 from ..head.conventions import ZERO_CENTRED
 from ..hookspecs import hookimpl
 from ..plugins import hook
+from .safetensors_header import HeaderError, read_local_header
 
 SIDECAR_NAMES = ("mtp.safetensors", "mtp/weights.safetensors", "model-mtp.safetensors")
 CONFIG_KEYS = ("mtp_sidecar", "mtp_file", "mtp_weights")  # config.json keys naming a head file
@@ -123,7 +125,7 @@ class HeadLocation:
 
 def read_config(model_dir: Path) -> dict:
     """config.json of ``model_dir`` as a dict; CheckpointError (naming the file and the fix) when it is missing,
-    unreadable or not JSON, or it or its ``text_config`` is not an object."""
+    unreadable or not JSON, or it or its ``text_config`` (when present: null is refused) is not an object."""
     path = Path(model_dir) / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -136,8 +138,8 @@ def read_config(model_dir: Path) -> dict:
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: {JSON_KINDS.get(type(config), 'not an object')}, not a JSON object; "
                               "restore the file from its source.")
-    text = config.get("text_config")
-    if text is not None and not isinstance(text, dict):
+    text = config.get("text_config", {})
+    if not isinstance(text, dict):
         raise CheckpointError(f"{path}: \"text_config\" is {JSON_KINDS.get(type(text), 'not an object')}, not a JSON "
                               "object; restore the file from its source.")
     return config
@@ -180,8 +182,12 @@ def _candidate_files(model_dir: Path, config: dict, loc: HeadLocation) -> tuple[
     """(shards, existing sidecars); unreadable head files go to ``loc.unusable``, an unusable index to warnings."""
     shards = set(model_dir.glob("*.safetensors"))
     index, index_problem = read_index(model_dir)
-    if index is not None:
-        shards |= {model_dir / f for f in index.get("weight_map", {}).values() if isinstance(f, str)}
+    for key, name in (index or {}).get("weight_map", {}).items():
+        if isinstance(name, str):
+            try:
+                shards.add(confined(model_dir, name, f"{model_dir / INDEX}: weight_map[{key!r}]", links=True))
+            except OutsideRoot as e:
+                loc.unusable.append(f"{e}: the head is not read through this index; repair or delete it")
     if index_problem is not None:
         kept = "its other entries are used" if index is not None else "it is ignored"
         loc.warnings.append(f"{model_dir / INDEX}: {index_problem}; {kept}, and the head is looked for by file name "
@@ -191,6 +197,13 @@ def _candidate_files(model_dir: Path, config: dict, loc: HeadLocation) -> tuple[
              if k in CONFIG_KEYS and isinstance(v, str)}
     for paths in hook().mtp_sidecar_paths(model_dir=model_dir, config=config):
         for path in map(Path, paths):
+            try:
+                relative_inside(model_dir, path, f"{model_dir / 'config.json'}: {'/'.join(CONFIG_KEYS)}"
+                                if path in named else "a head file a plugin's mtp_sidecar_paths names", links=True)
+            except OutsideRoot as e:
+                loc.unusable.append(f"{e}: name a file inside the model directory (link a head kept elsewhere "
+                                    "into it)")
+                continue
             problem = unreadable_file(path, named=path in named)
             if problem is None:
                 sidecars.append(path)
@@ -202,12 +215,13 @@ def _candidate_files(model_dir: Path, config: dict, loc: HeadLocation) -> tuple[
 
 def head_files(model_dir: Path) -> list[str]:
     """Names, relative to ``model_dir``, of files that may hold the head: the families' sidecar paths (existing or
-    not) and the shards the index maps head tensors to. Empty for an unhandled model type or unreadable config.json."""
+    not) and the shards the index maps head tensors to, as named (``confine.confined`` them before use). Empty for an
+    unhandled model type or unreadable config.json."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
         index = json.loads((model_dir / INDEX).read_text()) if (model_dir / INDEX).exists() else {}
         paths = [p for found in hook().mtp_sidecar_paths(model_dir=model_dir, config=config) for p in found]
-        names = {p.relative_to(model_dir).as_posix() for p in paths if p.is_relative_to(model_dir)}
+        names = {os.path.relpath(p, model_dir) for p in paths}
         model_type = config.get("model_type", "")
         for name, file in (index.get("weight_map") or {}).items():
             if hook().mtp_head_name(name=name, model_type=model_type, sidecar=False, config=config) is not None:
@@ -375,23 +389,18 @@ def mtp_sidecar_paths(model_dir, config):
 
 @hookimpl
 def mtp_read_tensor_names(path):
-    """Header of a ``.safetensors`` file as ``({name: (shape, dtype)}, metadata)``; None for other formats."""
-    from safetensors import safe_open
-
+    """Header of a ``.safetensors`` file as ``({name: (shape, dtype)}, metadata)``, checked by
+    ``safetensors_header.read_header``; None for other formats."""
     path = Path(path)
     if path.suffix != ".safetensors":
         return None
     try:
-        with safe_open(str(path), framework="numpy") as f:
-            names = {}
-            for name in f.keys():
-                s = f.get_slice(name)
-                names[name] = (tuple(s.get_shape()), s.get_dtype())
-            return names, dict(f.metadata() or {})
+        header = read_local_header(path)
     except PermissionError:
         raise CheckpointError(f"{path}: not readable (permission denied); fix its permissions (chmod a+r).") from None
-    except Exception as e:  # safetensors raises its own SafetensorError and OSError
-        raise CheckpointError(f"{path}: unreadable safetensors header ({e}); re-download or re-export it.") from e
+    except (OSError, HeaderError) as e:
+        raise CheckpointError(f"{path}: unreadable safetensors header ({e}); re-download or re-export it.") from None
+    return header.shapes(), dict(header.metadata or {})
 
 
 @hookimpl

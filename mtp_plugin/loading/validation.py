@@ -23,7 +23,7 @@ from ..head.conventions import (
     quantization_of,
 )
 from ..plugins import hook
-from .checkpoint import CheckpointError, HeadLocation, trunk_headers
+from .checkpoint import CheckpointError, HeadLocation, load_tensors, trunk_headers
 from .headfile import normalised_head
 
 FIX = "; re-extract the head from the original checkpoint (`mtp-plugin extract`) or graft one that fits this trunk"
@@ -191,6 +191,17 @@ def _unknown_problems(location: HeadLocation, unknown: list[str], expected: dict
     if len(others) > LISTED:
         problems.append(f"{len(others) - LISTED} more unknown tensors: {_listed(others[LISTED:])}")
     return problems
+
+
+def stored_problems(location: HeadLocation) -> list[str]:
+    """What makes the head's files unreadable as stored, one line each: ``location.unusable``, then every head tensor
+    read (``checkpoint.load_tensors``) and its float values checked finite. Structure is ``validate``'s."""
+    if location.unusable:
+        return list(location.unusable)
+    try:
+        return _nonfinite(load_tensors(list(location.tensors.values())), location)
+    except (CheckpointError, ValueError, RuntimeError) as e:  # mlx raises ValueError/RuntimeError on a short file
+        return [f"{', '.join(map(str, location.files))}: {e}"]
 
 
 def _nonfinite(weights: dict, location: HeadLocation) -> list[str]:

@@ -45,17 +45,28 @@ class Hub:
     ``/cdn/ID/PATH`` as the Hub sends LFS files to its CDN, which honours ``Range``). ``served`` counts the bytes of
     ``.safetensors`` files sent; ``ranges`` lists ``(path, first byte)`` of each safetensors GET. ``cut_after``: the
     next safetensors response of more bytes than that stops after that many bytes (the connection closes); ``refuse``:
-    safetensors GETs answer 403 after a cut; ``delay``: seconds before each safetensors body. Revisions: ``main`` and
-    ``COMMIT``; any other is not found. Use as a context manager.
+    safetensors GETs answer 403 after a cut; ``delay``: seconds before each safetensors body; ``corrupt``: while True,
+    safetensors bodies past their header (a range starting after byte 8) arrive as 0xFF bytes (NaN in any float).
+    ``extra``: repo id → ``{name: bytes}`` served beside the folder's files, any name (a hostile repository's).
+    Revisions: ``main`` and ``COMMIT``; any other is not found. Use as a context manager.
     """
 
     COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
     def __init__(self, repos: dict[str, Path]):
         self.repos, self.served, self.ranges = repos, 0, []
+        self.extra: dict[str, dict[str, bytes]] = {}
         self.cut_after: int | None = None
-        self.refuse = self.cut = False
+        self.refuse = self.cut = self.corrupt = False
         self.delay = 0.0  # seconds before each safetensors body
+
+    def files(self, repo: str) -> dict[str, bytes] | None:
+        """``{name: bytes}`` of every file ``repo`` serves; None for an unknown repo."""
+        folder = self.repos.get(repo)
+        if folder is None:
+            return None
+        files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+        return {**files, **self.extra.get(repo, {})}
 
     def __enter__(self) -> Hub:
         import threading
@@ -85,10 +96,8 @@ def _handler(hub: Hub):
         def log_message(self, *args):
             pass
 
-        def _file(self, repo: str, name: str) -> Path | None:
-            folder = hub.repos.get(repo)
-            path = None if folder is None else folder / name
-            return path if path is not None and path.is_file() else None
+        def _file(self, repo: str, name: str) -> bytes | None:
+            return (hub.files(repo) or {}).get(name)
 
         def _send(self, status: int, headers: dict, body: bytes = b"") -> None:
             self.send_response(status)
@@ -99,55 +108,56 @@ def _handler(hub: Hub):
                 self.wfile.write(body)
 
         def _api(self, repo: str) -> None:
-            folder = hub.repos.get(repo)
-            if folder is None:
+            files = hub.files(repo)
+            if files is None:
                 self._send(404, {"X-Error-Code": "RepoNotFound"}, b'{"error": "Repository not found"}')
                 return
-            files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+            siblings = [{"rfilename": name, "size": len(data), "blobId": hashlib.sha1(data).hexdigest(),
+                         **({"lfs": {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+                                     "pointerSize": 134}} if name.endswith(".safetensors") else {})}
+                        for name, data in files.items()]
             body = json.dumps({"id": repo, "modelId": repo, "sha": Hub.COMMIT, "private": False,
-                               "siblings": [{"rfilename": f} for f in files]}).encode()
+                               "siblings": siblings}).encode()
             self._send(200, {"Content-Type": "application/json"}, body)
 
         def _tree(self, repo: str) -> None:
-            folder = hub.repos.get(repo)
-            if folder is None:
+            files = hub.files(repo)
+            if files is None:
                 self._send(404, {"X-Error-Code": "RepoNotFound"}, b'{"error": "Repository not found"}')
                 return
             entries = []
-            for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-                data = path.read_bytes()
-                entry = {"type": "file", "path": path.relative_to(folder).as_posix(), "size": len(data),
-                         "oid": hashlib.sha1(data).hexdigest()}
-                if path.suffix == ".safetensors":
+            for name, data in files.items():
+                entry = {"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                if name.endswith(".safetensors"):
                     entry["lfs"] = {"size": len(data), "oid": hashlib.sha256(data).hexdigest(), "pointerSize": 134}
                 entries.append(entry)
             self._send(200, {"Content-Type": "application/json"}, json.dumps(entries).encode())
 
         def _resolve(self, repo: str, name: str) -> None:
-            path = self._file(repo, name)
-            if path is None:
+            data = self._file(repo, name)
+            if data is None:
                 self._send(404, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": Hub.COMMIT}, b"")
                 return
-            data = path.read_bytes()
             etag = '"' + hashlib.sha256(data).hexdigest() + '"'
             common = {"X-Repo-Commit": Hub.COMMIT, "ETag": etag, "Accept-Ranges": "bytes"}
-            if path.suffix == ".safetensors":  # an LFS file: the Hub redirects to its CDN
+            if name.endswith(".safetensors"):  # an LFS file: the Hub redirects to its CDN
                 self._send(302, {**common, "X-Linked-Etag": etag, "X-Linked-Size": str(len(data)),
                                  "Location": f"/cdn/{repo}/{name}"})
                 return
             self._send(200, common, data)
 
         def _cdn(self, repo: str, name: str) -> None:
-            path = self._file(repo, name)
-            if path is None or hub.refuse and hub.cut:
-                self._send(404 if path is None else 403, {})
+            data = self._file(repo, name)
+            if data is None or hub.refuse and hub.cut:
+                self._send(404 if data is None else 403, {})
                 return
-            data = path.read_bytes()
             start, end, status = 0, len(data) - 1, 200
             match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
             if match:
                 start, end, status = int(match[1]), min(int(match[2] or end), end), 206
             body = data[start:end + 1]
+            if hub.corrupt and start > 8:
+                body = b"\xff" * len(body)
             headers = {"Accept-Ranges": "bytes", "ETag": '"' + hashlib.sha256(data).hexdigest() + '"',
                        "X-Repo-Commit": Hub.COMMIT}  # huggingface_hub follows a same-host redirect as the Hub's own
             if status == 206:
