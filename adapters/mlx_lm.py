@@ -17,6 +17,7 @@ from .mlx_lm_decoding import (
     add_cli_flags,
     mtp_generate_step,
     print_summary,
+    structured_output,
 )
 from .mlx_lm_download import fetch_head_files
 from .mlx_lm_sampling import describe_samplers
@@ -65,6 +66,7 @@ def _patch_decoding():
     _patches.wrap(generate_module, "generate_step", functools.partial(mtp_generate_step, captured=captured))
     for module in (generate_module, mlx_lm):
         _patches.wrap(module, "generate", print_summary)
+        _patches.wrap(module, "stream_generate", structured_output)
     _patches.wrap(generate_module, "setup_arg_parser", add_cli_flags)
 
 

@@ -16,6 +16,7 @@ import mlx.core as mx
 from mtp_plugin.decoding.batch import BatchDrafter, Row, Step
 from mtp_plugin.decoding.controller import PLAIN, DepthController
 from mtp_plugin.decoding.drafter import Drafter, PendingPairs
+from mtp_plugin.decoding.grammar import GrammarProcessor, grammar_of
 from mtp_plugin.decoding.lockstep import NONE, Lockstep, LockstepError, group_of
 from mtp_plugin.decoding.lookup import lookup_policy, sampled_prior
 from mtp_plugin.decoding.options import command_line
@@ -451,9 +452,10 @@ class MTPGenerationBatch:
         try:
             policy = ctx.policy(len(self.rows))
             depths, decisions = self._decide(ctx, policy)
-            if not any(d.drafts for d in decisions):
+            constrained = any(row.grammar is not None for row in self.rows)  # a mask needs the token before it
+            if not any(d.drafts for d in decisions) and not constrained:
                 return self._plain(ctx, policy, start)
-            if self.ahead is not None:  # leave pipelined plain steps: emit the queued tokens, draft next call
+            if self.ahead is not None:  # leave pipelined plain steps: emit the queued tokens, cycle next call
                 self.asked = depths
                 return self._flush_plain(ctx)
             auto = [d for row, d in zip(self.rows, decisions, strict=True) if row.depth is None]
@@ -469,7 +471,8 @@ class MTPGenerationBatch:
     def _resume(self) -> list[Resume]:
         """Every row as stock decoding would resume it now (O(rows): contexts are read only on a fault)."""
         fed = self.ahead is not None  # a queued plain step holds each row's ``last`` in the trunk cache
-        return [Resume(uid, tokens, len(tokens) - fed, row.last, emitted, sampler, processors, stops, most)
+        return [Resume(uid, tokens, len(tokens) - fed, row.last, emitted, sampler,
+                       processors if row.grammar is None else [GrammarProcessor.continuing(row.grammar)], stops, most)
                 for uid, tokens, row, emitted, sampler, processors, stops, most in zip(
                     self.uids, self.tokens, self.rows, self.num_tokens, self.samplers, self.logits_processors,
                     self.stops, self.max_tokens, strict=True)]
@@ -506,6 +509,10 @@ class MTPGenerationBatch:
             row.schedule.observe(d, match, a)
             if row.schedule.lookup is not None:
                 row.schedule.lookup.index.extend(verified.blocks[i])
+            row.stats.forced += verified.forced[i]
+            row.stats.masked += verified.masked[i]
+            if row.grammar is not None:
+                row.stats.grammar_seconds = row.grammar.seconds
             if match:
                 row.stats.record_lookup(min(a, emitted[i]), emitted[i], d)
                 continue
@@ -565,6 +572,9 @@ class MTPGenerationBatch:
         for i, row in enumerate(self.rows):
             row.keep(step.hidden[i : i + 1], step.tokens[i : i + 1])
             row.last = tokens[i]
+            if row.grammar is not None:  # a row that joined queued plain steps: its first token
+                row.grammar.advance([tokens[i]])
+                row.grammar.commit()
             row.stats.plain += 1
             row.schedule.observe(0, 0, 0)
             if row.schedule.lookup is not None:
@@ -621,9 +631,10 @@ def join_row(ctx: BatchContext, uid: int, last: int, carry, sampler, processors,
     stats = MTPStats(depth or None)
     if options is not None and wanted:
         options.stats = stats
-    row = Row(last, sampling=sampling, sampler=sampler, processors=list(processors or []),
+    grammar, processors = grammar_of(processors)
+    row = Row(last, sampling=sampling, sampler=sampler, processors=processors,
               history=mx.array(tokens, dtype=mx.uint32) if processors else None, depth=depth, stats=stats,
-              schedule=RowState(lookup))
+              schedule=RowState(lookup), grammar=grammar)
     if headless:
         row.pending = PendingPairs(window=0)  # no head: no pairs kept
     if carry is not None:

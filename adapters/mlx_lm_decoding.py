@@ -12,6 +12,7 @@ import inspect
 import logging
 import sys
 
+from mtp_plugin.decoding.grammar import response_format_processor
 from mtp_plugin.decoding.lockstep import Lockstep, group_of
 from mtp_plugin.decoding.lookup import MAX_LOOKUP, lookup_policy, sampled_prior
 from mtp_plugin.decoding.options import MTPOptions, command_line, depth_policy, resolve, set_command_line
@@ -208,6 +209,21 @@ def print_summary(generate):
         if kwargs.get("verbose") and stats is not None:
             print(stats.summary())
         return text
+
+    return wrapper
+
+
+def structured_output(stream_generate):
+    """Wrap ``stream_generate(model, tokenizer, prompt, ...)``: a ``response_format`` keyword (an OpenAI response
+    format) becomes a ``grammar.GrammarProcessor`` after the caller's ``logits_processors``; MTP drafts under it, stock
+    decoding (``enable_mtp=False``) is constrained by it."""
+
+    @functools.wraps(stream_generate)
+    def wrapper(model, tokenizer, prompt, *args, response_format=None, **kwargs):
+        processor = response_format_processor(tokenizer, response_format)
+        if processor is not None:
+            kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or []), processor]
+        return stream_generate(model, tokenizer, prompt, *args, **kwargs)
 
     return wrapper
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import logging
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def fetch_head_files(download):
         if missing:
             try:
                 with _quiet_when_none_matches():  # sidecars the repository lacks are expected
-                    download(path_or_hf_repo, revision=revision, allow_patterns=missing)
+                    download(path_or_hf_repo, revision=revision, allow_patterns=[glob.escape(n) for n in missing])
             except Exception as e:  # noqa: BLE001 - the trunk must still load; the loader reports a missing head
                 log.debug("mtp_plugin: could not fetch %s of %s: %s", ", ".join(missing), path_or_hf_repo, e)
         return path

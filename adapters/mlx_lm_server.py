@@ -12,6 +12,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from mtp_plugin.decoding.grammar import GrammarError, GrammarProcessor, response_format_grammar, tokenizer_of
 from mtp_plugin.decoding.options import MTPOptions, resolve, set_command_line
 from mtp_plugin.decoding.single import MAX_DEPTH
 from mtp_plugin.decoding.stats import MTPStats
@@ -39,12 +40,18 @@ class MTPRequestError(ValueError):
 @dataclass
 class MTPRequest:
     """A request's ``enable_mtp`` / ``mtp_depth`` / ``mtp_lookup`` (None, and depth 0: the server's default, resolved by
-    ``options.resolve``) and, once served, its counters (``stats``: None when it did not decode with MTP)."""
+    ``options.resolve``), the grammar its ``response_format`` asks for (llguidance text, None: free text) and, once
+    served, its counters (``stats``: None when it did not decode with MTP)."""
 
     enabled: bool | None = None
     depth: int | None = None
     lookup: bool | None = None
     stats: MTPStats | None = None
+    grammar: str | None = None
+
+    def processor(self, tokenizer) -> GrammarProcessor | None:
+        """A fresh ``grammar.GrammarProcessor`` of the request's grammar over ``tokenizer``, or None."""
+        return None if self.grammar is None else GrammarProcessor(tokenizer_of(tokenizer), self.grammar)
 
     @property
     def wanted(self) -> bool:
@@ -57,10 +64,11 @@ class MTPRequest:
 
 
 def parse_request(body: dict) -> MTPRequest:
-    """The MTP options of a request body.
+    """The MTP options and ``response_format`` grammar of a request body.
 
     Raises:
-        MTPRequestError: ``enable_mtp`` or ``mtp_lookup`` not a boolean, or ``mtp_depth`` not an integer in 0..8.
+        MTPRequestError: ``enable_mtp`` or ``mtp_lookup`` not a boolean, ``mtp_depth`` not an integer in 0..8, or a
+            ``response_format`` that cannot constrain decoding (``grammar.response_format_grammar``).
     """
     enabled, depth, lookup = body.get("enable_mtp"), body.get("mtp_depth"), body.get("mtp_lookup")
     for name, value in (("enable_mtp", enabled), ("mtp_lookup", lookup)):
@@ -68,7 +76,11 @@ def parse_request(body: dict) -> MTPRequest:
             raise MTPRequestError(f"{name} must be true or false, got {value!r}")
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= MAX_DEPTH):
         raise MTPRequestError(f"mtp_depth must be an integer from 0 (server default) to {MAX_DEPTH}, got {depth!r}")
-    return MTPRequest(enabled, depth, lookup)
+    try:
+        grammar = response_format_grammar(body.get("response_format"))
+    except GrammarError as e:
+        raise MTPRequestError(f"response_format: {e}") from None
+    return MTPRequest(enabled, depth, lookup, grammar=grammar)
 
 
 SERVER_HELP = {  # mlx-lm's server decodes with MTP by default
@@ -157,6 +169,7 @@ def remember_options(is_batchable):
     @functools.wraps(is_batchable)
     def wrapper(self, generation_args, *args, **kwargs):
         _routing.options = getattr(generation_args, "mtp", None)
+        _routing.provider = self.model_provider  # its tokenizer, once loaded, for a response_format's grammar
         return is_batchable(self, generation_args, *args, **kwargs)
 
     return wrapper
@@ -197,10 +210,15 @@ def summarize_on_stop(generation_loop):
 
 
 def attach_options(insert_segments):
-    """Wrap ``BatchGenerator.insert_segments``: an MTP generator keeps each new row's request options."""
+    """Wrap ``BatchGenerator.insert_segments``: a request's ``response_format`` grammar joins its row's logits
+    processors (MTP or not), and an MTP generator keeps each new row's request options."""
 
     @functools.wraps(insert_segments)
     def wrapper(self, *args, **kwargs):
+        options = getattr(_routing, "options", None)
+        if options is not None and options.grammar is not None:  # the server inserts one request at a time
+            grammar = options.processor(_routing.provider.tokenizer)
+            kwargs["logits_processors"] = [[*(kwargs.get("logits_processors") or [[]])[0], grammar]]
         uids = insert_segments(self, *args, **kwargs)
         ctx = context_of(self)
         if ctx is not None:
@@ -232,6 +250,9 @@ def pass_options(stream_generate):
     @functools.wraps(stream_generate)
     def wrapper(model, tokenizer, prompt, *args, **kwargs):
         options = getattr(_serving, "request", None)
+        grammar = None if options is None else options.processor(tokenizer)
+        if grammar is not None:
+            kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or []), grammar]
         loaded = getattr(model, "mtp_head", None)
         headless_off = loaded is None and not (options is not None and options.resolved().lookup)
         if options is None or headless_off or kwargs.get("draft_model") is not None:
@@ -276,7 +297,8 @@ def serving_cache(init):
 
 def report_counters(make_response):
     """Wrap ``APIHandler.generate_response`` / ``completion_usage_response``: add ``timings`` with
-    ``draft_n`` and ``draft_n_accepted`` to a request's final response when the model has a head."""
+    ``draft_n`` and ``draft_n_accepted`` to a request's final response when the model has a head (and, for a request
+    with a ``response_format`` that decoded with MTP, ``grammar_ms``: host time in its grammar)."""
 
     @functools.wraps(make_response)
     def wrapper(self, *args, **kwargs):
@@ -288,6 +310,8 @@ def report_counters(make_response):
         if final and options is not None and (getattr(model, "mtp_head", None) is not None or stats is not None):
             response["timings"] = {"draft_n": stats.drafted + stats.lookup_drafted if stats else 0,
                                    "draft_n_accepted": stats.accepted + stats.lookup_accepted if stats else 0}
+            if stats is not None and options.grammar is not None:
+                response["timings"]["grammar_ms"] = round(1000 * stats.grammar_seconds, 3)
         return response
 
     return wrapper

@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from mtp_plugin.decoding.batch import BatchDrafter
 from mtp_plugin.decoding.drafter import Drafter
+from mtp_plugin.decoding.grammar import GrammarProcessor
 from mtp_plugin.decoding.lookup import sampled_prior
 from mtp_plugin.decoding.scheduler import Decision, costs_of
 from mtp_plugin.decoding.single import DEFAULT_DEPTH, MAX_DEPTH
@@ -244,6 +245,9 @@ class VLMGenerationBatch(MTPGenerationBatch):
         for i, uid in enumerate(batch.uids):
             row = join_row(ctx, uid, first[i], heads[i].carry, sampler, batch.logits_processors[i], heads[i].tokens)
             row.head_whole, row.position = False, 1  # the prompt batch drew generated token 0
+            if row.grammar is not None:  # drawn under it by mlx-vlm's own step
+                row.grammar.advance([first[i]])
+                row.grammar.commit()
             if row.sampling is None and keyed is not None:  # plain steps keep mlx-vlm's keyed draws
                 row.sampling = keyed
             batch.rows.append(row)
@@ -344,7 +348,8 @@ class VLMGenerationBatch(MTPGenerationBatch):
         fed = self.ahead is not None  # a queued plain step holds each row's ``last`` in the trunk cache
         return [Resume(self.uids[i], self.tokens[i][: len(self.tokens[i]) - fed], row.last, self.num_tokens[i],
                        self.fresh[i], self.prompts[i], None if self.deltas is None else self.deltas[i : i + 1],
-                       self.max_tokens[i], self.logits_processors[i])
+                       self.max_tokens[i], self.logits_processors[i] if row.grammar is None
+                       else [GrammarProcessor.continuing(row.grammar)])
                 for i, row in enumerate(self.rows)]
 
     def _fall_back(self, rows: list[Resume], error: Exception | None = None) -> None:

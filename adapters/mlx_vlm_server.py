@@ -10,6 +10,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from mtp_plugin.decoding.grammar import GrammarProcessor
 from mtp_plugin.decoding.single import MAX_DEPTH
 
 from .capture import rollback_ready
@@ -174,14 +175,9 @@ class SplitGenerator:
         return [s for g in self._generators() for s in g.unprocessed_prompts]
 
     @staticmethod
-    def stock_reason(args, thinking) -> str | None:
-        """Why a request decodes in the stock generator: a thinking budget (it forces tokens between steps) or its
-        own logits processors (``response_format``: a grammar matcher must not see drafts that are then rejected)."""
-        if thinking is not None:
-            return "thinking budget"
-        if getattr(args, "logits_processors", None):
-            return "response format"
-        return None
+    def stock_reason(thinking) -> str | None:
+        """Why a request decodes in the stock generator: a thinking budget (it forces tokens between steps)."""
+        return None if thinking is None else "thinking budget"
 
     def insert(self, prompts, max_tokens=None, prompt_kwargs=None, logits_processors=None,
                thinking_budget_criteria=None, **kwargs):
@@ -190,7 +186,7 @@ class SplitGenerator:
         _serving.current = None
         args = getattr(request, "args", None)
         thinking = (thinking_budget_criteria or [None])[0]
-        reason = self.stock_reason(args, thinking) if len(prompts) == 1 else "batched prompts"
+        reason = self.stock_reason(thinking) if len(prompts) == 1 else "batched prompts"
         if reason is not None:
             log.debug("mtp_plugin: server request with %s decodes in mlx-vlm's own batch", reason)
             if self.stock is None:
@@ -198,6 +194,7 @@ class SplitGenerator:
             target = self.stock
         else:
             target = self.mtp
+            logits_processors = [[portable(p) for p in row or []] for row in logits_processors or []] or None
         target.uid_count = max(g.uid_count for g in self._generators())
         uids = target.insert(prompts, max_tokens, prompt_kwargs=prompt_kwargs, logits_processors=logits_processors,
                              thinking_budget_criteria=thinking_budget_criteria, **kwargs)
@@ -230,6 +227,19 @@ class SplitGenerator:
     def close(self) -> None:
         for generator in self._generators():
             generator.close()
+
+
+def portable(processor):
+    """``processor``, with mlx-vlm's ``LLGuidanceLogitsProcessor`` (its mask kernel needs Metal) replaced, also inside a
+    ``ThinkingAwareLogitsProcessor``, by a ``grammar.GrammarProcessor`` of its grammar: masks on every device, and
+    drafts under the grammar in the MTP batch."""
+    structured = importlib.import_module("mlx_vlm.structured")
+    if isinstance(processor, structured.LLGuidanceLogitsProcessor):
+        return GrammarProcessor(processor.llg_tokenizer, processor.grammar)
+    inner = getattr(processor, "processor", None)
+    if isinstance(processor, getattr(structured, "ThinkingAwareLogitsProcessor", ())) and inner is not None:
+        processor.processor = portable(inner)
+    return processor
 
 
 def patch_server(patches, captured: dict[str, bool]) -> None:

@@ -92,8 +92,8 @@ def claiming(model_path):
 def keep_head(load_model):
     """Wrap a runtime's ``load_model(model_path, ...)`` (mlx-lm's returns ``(model, config)``, mlx-vlm's the model):
     the head is located and its tensors claimed while the runtime loads the trunk (``claiming``), then loaded onto
-    the model (``loading.loader.attach_head``). A load that fails after third-party plugins claimed tensors
-    (``mtp_head_name``) is tried once more without them (``plugins.retried_without_answerers``)."""
+    the model (``loading.loader.attach_head``). A load that fails after third-party plugins answered the head's
+    hooks (tensors they claimed) is tried once more without them (``plugins.retried_without_answerers``)."""
     from mtp_plugin import plugins
     from mtp_plugin.loading.checkpoint import CheckpointError, read_config
     from mtp_plugin.loading.loader import attach_head
@@ -104,7 +104,7 @@ def keep_head(load_model):
 
     @functools.wraps(load_model)
     def wrapper(model_path, *args, **kwargs):
-        loaded, location = plugins.retried_without_answerers("mtp_head_name", f"loading {model_path}",
+        loaded, location = plugins.retried_without_answerers(f"loading {model_path}",
                                                              lambda: load(model_path, *args, **kwargs))
         try:
             model, config = loaded if isinstance(loaded, tuple) else (loaded, read_config(Path(model_path)))

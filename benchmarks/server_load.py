@@ -2,7 +2,7 @@
 
     python benchmarks/server_load.py [--model examples/tiny-qwen3_5/hf] [--concurrency 1 2 4 8]
                                      [--requests 8] [--repeats 3] [--time-cap 900] [--out benchmarks/results]
-                                     [--repeating] [--pace 7] [--variant no-lookup=--no-mtp-lookup]
+                                     [--repeating] [--structured] [--pace 7] [--variant no-lookup=--no-mtp-lookup]
     python benchmarks/server_load.py --runtime mlx_vlm --model build/tiny-qwen3_5-vl [--image picture.png]
 
 ``--runtime mlx_lm`` (default) runs ``mlx_lm.server`` with completions; ``mlx_vlm`` runs ``mlx_vlm.server`` with
@@ -52,6 +52,11 @@ REPEATING = "def read_config(path):\n    with open(path) as f:\n        return j
 PROMPTS = ["def read_config(path):\n", "import os\n\n\ndef main():\n", "class Parser:\n    def __init__(self",
            "for line in lines:\n", "    return self._", "# Copyright\nimport sys\n"]
 LONG, SHORT = 128, 16
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                           "tags": {"type": "array", "maxItems": 6, "items": {"type": "string",
+                                                                                          "maxLength": 16}},
+                                           "count": {"type": "integer"}},
+          "required": ["name", "tags", "count"], "additionalProperties": False}  # ``--structured`` requests
 HEADLESS = ("a copy without the head's files where stock cannot load the head (mlx-vlm 0.6.5-0.6.8 shift its norms "
             "twice)")
 
@@ -121,9 +126,11 @@ def data_url(path: Path) -> str:
     return f"data:{kind};base64," + base64.b64encode(path.read_bytes()).decode()
 
 
-def workload(clients: int, requests: int, image: str | None = None, repeating: bool = False) -> list[list[dict]]:
+def workload(clients: int, requests: int, image: str | None = None, repeating: bool = False,
+             structured: bool = False) -> list[list[dict]]:
     """Per client, its requests in order: long and short alternating (odd clients start short); with ``image`` (a
-    data URL), every other request carries it; with ``repeating``, every other long request repeats its prompt."""
+    data URL), every other request carries it; with ``repeating``, every other long request repeats its prompt; with
+    ``structured``, every other long request asks for JSON under ``SCHEMA``."""
     out = []
     for c in range(clients):
         bodies = []
@@ -133,6 +140,8 @@ def workload(clients: int, requests: int, image: str | None = None, repeating: b
             bodies.append({"prompt": prompt, "max_tokens": n, "temperature": 0.0})
             if image is not None and (c + i // 2) % 2:
                 bodies[-1]["image"] = image
+            if structured and n == LONG and (i // 2 + c) % 2:
+                bodies[-1]["response_format"] = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
         out.append(bodies)
     return out
 
@@ -155,9 +164,12 @@ def run_load(server: Server, load: list[list[dict]], pace: float | None = None) 
     tokens = sum(a["usage"]["completion_tokens"] for _, _, a in answers)
     short = sorted(seconds for n, seconds, _ in answers if n == SHORT)
     timings = [a.get("timings", {}) for _, _, a in answers]
+    grammar = [(t["grammar_ms"], a["usage"]["completion_tokens"]) for (_, _, a), t in zip(answers, timings, strict=True)
+               if "grammar_ms" in t]
     return {"tok_s": tokens / wall, "tokens": tokens, "short": short,
             "drafted": sum(t.get("draft_n") or 0 for t in timings),
-            "accepted": sum(t.get("draft_n_accepted") or 0 for t in timings)}
+            "accepted": sum(t.get("draft_n_accepted") or 0 for t in timings),
+            "grammar_ms_per_token": sum(ms for ms, _ in grammar) / sum(n for _, n in grammar) if grammar else None}
 
 
 def result_name(kind: str, runtime: str, model: Path) -> str:
@@ -166,6 +178,12 @@ def result_name(kind: str, runtime: str, model: Path) -> str:
     if runtime == "mlx_lm":
         return f"{kind}-{model.name}"
     return f"{runtime}-{kind}-{model.name}-mlx-vlm-{importlib.metadata.version('mlx-vlm')}"
+
+
+def _median_known(values) -> float | None:
+    """The median of the values that are not None, or None."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -187,6 +205,8 @@ def main() -> None:
     parser.add_argument("--pace", type=float, help="seconds between a client's request starts (default: none, each "
                         "client sends its next request when the last one is answered)")
     parser.add_argument("--repeating", action="store_true", help="every other long request repeats its prompt")
+    parser.add_argument("--structured", action="store_true", help="mlx_lm: every other long request asks for JSON "
+                        "under a schema (stock mlx-lm ignores response_format: short requests compare like with like)")
     parser.add_argument("--plugin-args", default="", help="extra arguments of the plugin's server, e.g. '--no-mtp'")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                         help="another plugin server with these flags, e.g. no-lookup=--no-mtp-lookup")
@@ -196,6 +216,8 @@ def main() -> None:
         parser.error("--concurrency, --requests and --repeats must be at least 1, --pace above 0")
     if args.image is not None and args.runtime != "mlx_vlm":
         parser.error("--image needs --runtime mlx_vlm")
+    if args.structured and args.runtime != "mlx_lm":
+        parser.error("--structured needs --runtime mlx_lm (stock mlx-vlm's grammar mask needs Metal)")
     if any("=" not in v for v in args.variant):
         parser.error("--variant takes NAME=ARGS")
     image = None if args.image is None else data_url(args.image)
@@ -220,7 +242,7 @@ def main() -> None:
                 break
             names = list(servers)
             for name in names[r % len(names):] + names[: r % len(names)]:
-                load = workload(c, args.requests, image, args.repeating)
+                load = workload(c, args.requests, image, args.repeating, args.structured)
                 results[c][name].append(run_load(servers[name], load, args.pace))
         for c in args.concurrency:
             runs = min(len(v) for v in results[c].values())
@@ -237,7 +259,8 @@ def main() -> None:
                              statistics.median(percentile(p["short"], 50) / percentile(s["short"], 50)
                                                for s, p in zip(stock, done, strict=True)),
                              statistics.median(percentile(p["short"], 95) for p in done),
-                             accepted / drafted if drafted else 0.0, drafted / tokens if tokens else 0.0))
+                             accepted / drafted if drafted else 0.0, drafted / tokens if tokens else 0.0,
+                             _median_known(p["grammar_ms_per_token"] for p in done)))
     finally:
         for server in servers.values():
             server.stop()
@@ -249,6 +272,7 @@ def main() -> None:
               f"(long {LONG} / short {SHORT} tokens alternating"
               + ("; every other long one repeats its prompt" if args.repeating else "")
               + (f"; every other one with {args.image.name}" if image else "")
+              + ("; every other long one asks for JSON under a schema (stock: free text)" if args.structured else "")
               + (f"; stock: {args.stock_model.name}" if args.stock_model else "")
               + (f"; paced: request i of client c of C sent at (i + c/C) x {args.pace:g} s or when the last is answered"
                  if args.pace else "")
@@ -257,9 +281,11 @@ def main() -> None:
               f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
               f"machine: {json.dumps(tuning.machine())}, {os.cpu_count()} CPUs",
               f"versions: {json.dumps(versions)}",
-              "clients  server      tok/s  / stock | short p50 s  / stock | short p95 s | acceptance drafted/token"]
+              "clients  server      tok/s  / stock | short p50 s  / stock | short p95 s | acceptance drafted/token"
+              + (" | grammar ms/token" if args.structured else "")]
     lines = [f"{c:7d}  {name:10s} {tok:6.1f}  {ratio:7.2f} | {p50:11.3f}  {r50:7.2f} | {p95:11.3f} | "
-             f"{acc:10.2f} {per:15.2f}" for c, name, tok, ratio, p50, r50, p95, acc, per in rows]
+             f"{acc:10.2f} {per:15.2f}" + (f" | {'-' if ms is None else f'{ms:16.3f}'}" if args.structured else "")
+             for c, name, tok, ratio, p50, r50, p95, acc, per, ms in rows]
     text = "\n".join(header + lines) + "\n"
     print(text, end="")
     if args.out:

@@ -25,3 +25,13 @@ def unpatch() -> None:
 
     with _lock:
         hook().mtp_unpatch_runtime()
+
+
+def response_format_processor(tokenizer, response_format):
+    """An mlx-lm logits processor constraining one generation to an OpenAI ``response_format`` (``{"type":
+    "json_schema", "json_schema": {"schema": …}}`` or ``{"type": "json_object"}``; None for ``{"type": "text"}``), over
+    an mlx-lm tokenizer or mlx-vlm processor. Pass it in ``logits_processors``: stock decoding is constrained by it, MTP
+    drafts under it. ``decoding.grammar.GrammarError`` (a ValueError): a format or schema that cannot be used."""
+    from .decoding.grammar import response_format_processor as make
+
+    return make(tokenizer, response_format)

@@ -38,7 +38,7 @@ def relative_inside(root: Path, path: Path, entry: str, links: bool = False) -> 
 
 
 def _lexical_problem(name) -> str | None:
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str) or not PurePosixPath(name).parts or PurePosixPath(name).parts == (".",):
         return "not a file name"
     if "\0" in name or "\\" in name:
         return "a NUL or backslash in it"

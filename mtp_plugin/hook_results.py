@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
+
+from .confine import OutsideRoot, relative_inside
 
 NORM_CONVENTIONS = ("zero_centred", "absolute")  # head.conventions.ZERO_CENTRED, ABSOLUTE
 TRUNK_METHODS = ("hidden", "embed", "head_inputs", "logits", "trunk_logits")  # decoding.single.Trunk
@@ -44,7 +47,7 @@ CONTRACTS: dict[str, tuple[Callable[[object], bool], str]] = {
     "mtp_model_types": (_strings, "a list of model-type strings"),
     "mtp_head_name": (lambda v: isinstance(v, str) and bool(v), "a canonical tensor name (a non-empty str) or None"),
     "mtp_sidecar_paths": (lambda v: isinstance(v, list) and all(isinstance(p, str | os.PathLike) for p in v),
-                          "a list of paths"),
+                          "a list of paths (str or os.PathLike of str)"),
     "mtp_sanitize_head": (_arrays, "a dict of name: mx.array, or None"),
     "mtp_norm_roles": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for kv in v.items() for x in kv),
                        "a dict of head norm name: trunk norm name, or None"),
@@ -70,10 +73,37 @@ CONTRACTS: dict[str, tuple[Callable[[object], bool], str]] = {
 }
 
 
-def problem(hook: str, result) -> str | None:
-    """What is wrong with ``result`` as hook ``hook``'s answer (one phrase), or None when it keeps the contract."""
+def _inside(paths: list, model_dir) -> bool:
+    """Every path names a file inside ``model_dir`` (``confine``; it may be a link)."""
+    try:
+        for path in paths:
+            relative_inside(Path(model_dir), Path(os.fspath(path)), "a path", links=True)
+    except (OutsideRoot, TypeError):  # TypeError: an os.PathLike of bytes
+        return False
+    return True
+
+
+# hook name: (test of a result against the call's keywords, what the answer must be), beyond its type
+CALL_CONTRACTS: dict[str, tuple[Callable[[object, dict], bool], str]] = {
+    "mtp_sidecar_paths": (lambda v, kw: _inside(v, kw["model_dir"]), "paths inside the model directory"),
+    "mtp_load_sidecar": (lambda v, kw: set(kw["names"]) <= set(v), "every tensor it was asked for"),
+}
+
+
+def problem(hook: str, result, call: dict | None = None) -> str | None:
+    """What is wrong with ``result`` as hook ``hook``'s answer to a call with keywords ``call`` (one phrase), or None
+    when it keeps the contract."""
+    if result is None:
+        return None
     test, contract = CONTRACTS.get(hook, (lambda v: True, ""))
-    if result is None or test(result):
+    kept = test(result)
+    if kept and call is not None and hook in CALL_CONTRACTS:
+        test_call, contract = CALL_CONTRACTS[hook]
+        try:
+            kept = test_call(result, call)
+        except KeyError:  # the implementation does not take the argument the check needs
+            kept = True
+    if kept:
         return None
     shown = repr(result)
     return f"returned {shown[:60] + '…' if len(shown) > 60 else shown} from {hook}, which must return {contract}"

@@ -8,6 +8,8 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import inspect
+import itertools
 import logging
 import threading
 import types
@@ -18,6 +20,7 @@ from typing import TypeVar
 import pluggy
 
 from . import hook_results, hookspecs
+from .files import Terminated
 
 BUILTIN_PLUGINS = (
     "mtp_plugin.loading.checkpoint",
@@ -30,6 +33,9 @@ BUILTIN_PLUGINS = (
 )
 GROUP = "mtp_plugin"
 T = TypeVar("T")
+HEAD_HOOKS = ("mtp_head_name", "mtp_sidecar_paths", "mtp_read_tensor_names", "mtp_load_sidecar", "mtp_build_head",
+              "mtp_sanitize_head", "mtp_norm_roles", "mtp_stored_norm_convention")  # what makes a loaded head
+STARTED = ("mtp_generate_step", "mtp_decode")  # hooks returning token iterators: their first item is drawn guarded
 
 log = logging.getLogger("mtp_plugin")
 _lock = threading.Lock()
@@ -81,16 +87,23 @@ def _guarded(name: str, plugin) -> types.SimpleNamespace:
     disabling it if they raise, exit or return what their hookspec forbids (``hook_results``)."""
 
     def guard(function):
+        names = list(inspect.signature(function).parameters)  # pluggy passes the arguments an impl names, in order
+
         @functools.wraps(function)
         def call(*args, **kwargs):
             if name in _disabled or name in _left_out.get():
                 return None
             try:
                 result = function(*args, **kwargs)
-            except (Exception, SystemExit) as e:  # noqa: BLE001
+                if function.__name__ in STARTED and result is not None:
+                    result = _started(result)
+            except (KeyboardInterrupt, GeneratorExit, Terminated):
+                raise
+            except BaseException as e:  # noqa: BLE001 - SystemExit and the like too: a plugin never ends the host
                 disable(name, f"raised from {function.__name__} ({type(e).__name__}: {e})")
                 return None
-            broken = hook_results.problem(function.__name__, result)
+            call = {**dict(zip(names, args, strict=False)), **kwargs}
+            broken = hook_results.problem(function.__name__, result, call)
             if broken is not None:
                 disable(name, broken)
                 return None
@@ -105,6 +118,24 @@ def _guarded(name: str, plugin) -> types.SimpleNamespace:
     return types.SimpleNamespace(**{k: guard(v) for k, v in found.items() if callable(v) and hasattr(v, marker)})
 
 
+def third_party(hooks: tuple[str, ...] = HEAD_HOOKS) -> bool:
+    """Whether an enabled third-party plugin implements any of ``hooks``."""
+    pm = get_plugin_manager()
+    return any(impl.plugin_name not in BUILTIN_PLUGINS and impl.plugin_name not in _disabled
+               for name in hooks for impl in getattr(pm.hook, name).get_hookimpls())
+
+
+def _started(tokens) -> Iterator:
+    """``tokens`` (an iterable a hook returned) with its first item already drawn, so that a generator that breaks
+    at once breaks inside the guard."""
+    it = iter(tokens)
+    try:
+        first = next(it)
+    except StopIteration:
+        return iter(())
+    return itertools.chain([first], it)
+
+
 def disable(name: str, why: str) -> None:
     """Disable third-party plugin ``name`` for this process, with one warning saying ``why``."""
     if name not in _disabled:
@@ -112,11 +143,12 @@ def disable(name: str, why: str) -> None:
         log.warning("mtp_plugin: plugin %r %s; it is disabled, MTP goes on without it", name, why)
 
 
-def retried_without_answerers(hook_name: str, what: str, attempt: Callable[[], T],
-                              failure: Callable[[T], str | None] = lambda result: None) -> T:
-    """``attempt()``, noting the third-party plugins that answer ``hook_name``; when it raises or ``failure(result)``
-    names a problem and such plugins answered, ``attempt()`` once more with them ``left_out``: if that succeeds, they
-    are disabled (one warning each: their answers broke ``what``) and its result is returned; else the first outcome
+def retried_without_answerers(what: str, attempt: Callable[[], T],
+                              failure: Callable[[T], str | None] = lambda result: None,
+                              hooks: tuple[str, ...] = HEAD_HOOKS) -> T:
+    """``attempt()``, noting the third-party plugins that answer ``hooks``; when it raises or ``failure(result)`` names
+    a problem and such plugins answered, ``attempt()`` once more with them ``left_out``: if that succeeds, they are
+    disabled (one warning each: their answers broke ``what``) and its result is returned; else the first outcome
     stands (result returned or error raised) and they stay."""
     with answers() as answered:
         try:
@@ -125,7 +157,7 @@ def retried_without_answerers(hook_name: str, what: str, attempt: Callable[[], T
             first, problem = error, (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip(": ")
         else:
             first, problem = None, failure(result)
-    culprits = {name for hook, name in answered if hook == hook_name}
+    culprits = {name for hook, name in answered if hook in hooks}
     if problem is not None and culprits:
         try:
             with left_out(culprits):
@@ -136,7 +168,8 @@ def retried_without_answerers(hook_name: str, what: str, attempt: Callable[[], T
             if failure(retried) is None:
                 for name in sorted(culprits):
                     shown = problem if len(problem) <= 160 else problem[:160] + "…"
-                    disable(name, f"answered {hook_name} in a way that broke {what} ({shown})")
+                    used = sorted({hook for hook, who in answered if who == name and hook in hooks})
+                    disable(name, f"answered {', '.join(used)} in a way that broke {what} ({shown})")
                 return retried
     if first is not None:
         raise first

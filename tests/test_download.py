@@ -35,7 +35,7 @@ def test_head_files_of_a_model_no_family_handles(tmp_path):
 
 
 @pytest.mark.parametrize("config, index", [
-    ({"model_type": "qwen3_5", "mtp_sidecar": "/elsewhere/mtp.safetensors"}, None),  # outside the folder: skipped
+    ({"model_type": "qwen3_5", "mtp_sidecar": "/elsewhere/mtp.safetensors"}, None),  # relative to the folder
     ({"model_type": "qwen3_5"}, {"weight_map": ["not", "a", "map"]}),
     (["not", "an", "object"], None),
 ])
@@ -59,3 +59,19 @@ def test_load_from_the_hub_fetches_the_sidecar(tmp_path, monkeypatch, plugin, of
     assert (tmp_path / "snapshot" / "mtp.safetensors").exists() == fetched
     assert (getattr(model, "mtp_head", None) is not None) == fetched
     assert len(download.calls) == 1 + fetched
+
+
+def test_an_index_entry_is_a_file_name_not_a_pattern(tmp_path, monkeypatch):
+    """An index naming the head's file ``*`` fetches a file named ``*`` (none here), not the whole repository."""
+    remote = tmp_path / "remote"
+    shutil.copytree(MLX4, remote)
+    index = json.loads((remote / "model.safetensors.index.json").read_text())
+    index["weight_map"]["mtp.fc.weight"] = "*"
+    (remote / "model.safetensors.index.json").write_text(json.dumps(index))
+    (remote / "secret.bin").write_bytes(b"not a file mlx-lm downloads")
+    download = snapshot_download(remote, tmp_path / "snapshot")
+    monkeypatch.setattr(mlx_lm.utils, "snapshot_download", download)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    importlib.import_module("mlx_lm.utils").load(REPO_ID)
+    assert not (tmp_path / "snapshot" / "secret.bin").exists(), download.calls
+    assert (tmp_path / "snapshot" / "mtp.safetensors").exists()  # the sidecars are still fetched by name

@@ -86,13 +86,29 @@ def lie(data: bytes, how: str) -> bytes:
         header[tensors[0]]["data_offsets"][0] = -1
     elif how == "array":
         header = list(header)
+    elif how == "surrogate":
+        header["__metadata__"]["note"] = "\ud800"
+    elif how == "dtype":  # a dtype of the format that mlx cannot read, of the same byte size
+        begin, end = header[tensors[0]]["data_offsets"]
+        header[tensors[0]].update(dtype="F8_E5M2", shape=[end - begin])
+    elif how == "wrapped-shape":  # 0 elements in Python's arithmetic, a negative dimension in mlx's int32
+        header[tensors[0]]["shape"] = [0, 2**64 + 1]
     text = json.dumps(header).encode()
+    if how == "utf16":
+        text = json.dumps(header).encode("utf-16")
+    elif how == "deep":
+        text = b"[" * 100_000 + b"]" * 100_000
+    elif how == "bigint":
+        text = json.dumps(header).replace('"shape": [', '"shape": [' + "9" * 5000 + ", ", 1).encode()
     return len(text).to_bytes(8, "little") + text + data[8 + length:]
 
 
 @pytest.mark.parametrize("how,says", [("overlapping", "overlap another tensor"), ("negative", "0 <= begin <= end"),
                                       ("huge-length", f"header length {2 ** 62} exceeds"),
-                                      ("array", "a JSON list, not an object")])
+                                      ("array", "a JSON list, not an object"), ("utf16", "not UTF-8 JSON"),
+                                      ("surrogate", "not valid UTF-8"), ("dtype", "one mlx cannot read"),
+                                      ("deep", "not UTF-8 JSON"), ("bigint", "not UTF-8 JSON"),
+                                      ("wrapped-shape", "is not a list of integers 0..")])
 def test_a_lying_local_header_is_refused_like_a_fetched_one(tmp_path, caplog, stock_text, how, says):
     model_dir = headless(tmp_path)
     (model_dir / "mtp.safetensors").write_bytes(lie((MLX4 / "mtp.safetensors").read_bytes(), how))

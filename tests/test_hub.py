@@ -302,6 +302,13 @@ def rewrite_header(data: bytes, change) -> bytes:
     return len(text).to_bytes(8, "little") + text + data[8 + length:]
 
 
+def utf16_header(data: bytes) -> bytes:
+    """The file with its header re-encoded as UTF-16 (JSON that Python's ``json.loads`` of bytes would read)."""
+    length = int.from_bytes(data[:8], "little")
+    text = data[8:8 + length].decode().strip().encode("utf-16")
+    return len(text).to_bytes(8, "little") + text + data[8 + length:]
+
+
 def overlapping(header: dict) -> dict:
     """Every head tensor's bytes start where the first one's do."""
     start = min(v["data_offsets"][0] for k, v in header.items() if k.startswith("mtp."))
@@ -342,18 +349,22 @@ def test_an_index_naming_files_outside_the_cache_writes_nothing_there(hub, home,
     (lambda data: rewrite_header(data, negative), "are not [begin, end] with 0 <= begin <= end"),
     (lambda data: (2 ** 62).to_bytes(8, "little") + data[8:], f"header length {2 ** 62} exceeds"),
     (lambda data: rewrite_header(data, lambda header: list(header)), "its header is a JSON list, not an object"),
-], ids=["overlapping", "negative", "huge-length", "array"])
+    (lambda data: utf16_header(data), "its header is not UTF-8 JSON"),
+    (lambda data: (200_000).to_bytes(8, "little") + b"[" * 100_000 + b"]" * 100_000, "its header is not UTF-8 JSON"),
+], ids=["overlapping", "negative", "huge-length", "array", "utf16", "deep"])
 def test_a_lying_header_on_the_hub_is_refused_before_its_bytes_are_fetched(hub, home, tmp_path, repos,
                                                                            local_recipient, lie, says):
-    hostile_repo(hub, repos, "tests/liar", shard=lie((repos[DONOR] / SHARD2).read_bytes()))
+    shard = lie((repos[DONOR] / SHARD2).read_bytes())
+    hostile_repo(hub, repos, "tests/liar", shard=shard)
     hub.served = 0
     out = cli(hub, home, "extract", "--hf", "tests/liar", "--out", tmp_path / "head.safetensors")
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and f"tests/liar: {SHARD2}: unreadable safetensors header" in lines[0], lines
     assert says in lines[0], lines
-    header = int.from_bytes((repos[DONOR] / SHARD2).read_bytes()[:8], "little")
-    assert hub.served <= 8 + 2 * header, hub.served  # the header, never the tensors
+    honest = int.from_bytes((repos[DONOR] / SHARD2).read_bytes()[:8], "little")
+    header = min(int.from_bytes(shard[:8], "little"), len(shard) - 8)
+    assert hub.served <= 8 + max(honest, header), (hub.served, header)  # the header at most, never the tensors
     assert not (tmp_path / "head.safetensors").exists()
     assert not list((home / "mtp_plugin").rglob("*.safetensors*")), list((home / "mtp_plugin").rglob("*"))
 
@@ -387,3 +398,38 @@ def test_a_cached_head_that_does_not_read_is_fetched_again_once(hub, home, tmp_p
     assert len(warnings) == 1 and DONOR in warnings[0] and "non-finite" in warnings[0], out.stderr
     assert hub.served > 0 and cached.read_bytes() == data
     same_tree(tmp_path / "b", local_graft)
+
+
+def test_a_head_the_loader_would_not_see_is_not_kept(hub, home, tmp_path, repos, local_recipient):
+    hostile_repo(hub, repos, "tests/dotfile", index={"mtp": ".safetensors"})  # not read as a weights file
+    args = ("graft", "--recipient", local_recipient, "--donor", "tests/dotfile", "--out", tmp_path / "grafted")
+    out = cli(hub, home, *args)
+    assert out.returncode == 1 and "the fetched head does not read" in out.stderr, out.stderr
+    assert "no head tensors" in out.stderr and "Traceback" not in out.stderr
+    assert not list((home / "mtp_plugin").rglob("*.safetensors*")) and not (tmp_path / "grafted").exists()
+
+
+def test_names_that_share_a_flat_form_keep_their_own_bytes(hub, home, tmp_path, repos, local_recipient, local_graft):
+    shard = (repos[DONOR] / SHARD2).read_bytes()
+    hostile_repo(hub, repos, "tests/twins", index={"mtp": "a/h.safetensors"}, extra={"a--h.safetensors": shard})
+    out = cli(hub, home, "graft", "--recipient", local_recipient, "--donor", "tests/twins", "--out", tmp_path / "g")
+    assert out.returncode == 0, out.stderr
+    same_tree(tmp_path / "g", local_graft)
+
+
+def test_a_discard_cut_short_does_not_block_the_next_fetch(hub, home, tmp_path, local_recipient, local_graft):
+    args = ("graft", "--recipient", local_recipient, "--donor", DONOR, "--out")
+    assert cli(hub, home, *args, tmp_path / "a").returncode == 0
+    cached = next((home / "mtp_plugin" / "heads").rglob("config.json"))
+    cached.unlink()  # what an interrupted discard leaves: the folder without its config.json
+    out = cli(hub, home, *args, tmp_path / "b")
+    assert out.returncode == 0, out.stderr
+    same_tree(tmp_path / "b", local_graft)
+
+
+@pytest.mark.parametrize("revision", ["../../../../escape", "/abs/ref"])
+def test_a_revision_that_is_a_path_is_refused(hub, home, tmp_path, local_recipient, revision):
+    before = files_under(tmp_path)
+    out = cli(hub, home, "extract", "--hf", DONOR, "--revision", revision, "--out", tmp_path / "head.safetensors")
+    assert out.returncode == 1 and f"--revision = {revision!r} names a path outside" in out.stderr, out.stderr
+    assert {k: v for k, v in files_under(tmp_path).items() if not k.startswith("hf-home/")} == before

@@ -358,3 +358,62 @@ def test_draft_model_server_is_stock(workdir):
         logs.append([line for line in s.log.read_text().splitlines() if "Error" in line])
     assert answers[0] == answers[1]
     assert logs[0] == logs[1]  # the same errors (if any), stock's own
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+STRUCTURED = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_response_format_decodes_as_constrained_plain_decoding(server, path):
+    """A ``json_schema`` request drafts under its grammar and answers what the same request without MTP answers:
+    JSON valid under the schema, streamed or whole; ``json_object`` gives a JSON object."""
+    import jsonschema
+
+    def body(**options):
+        base = completion(PROMPTS[0]) if path == "/v1/completions" else {"messages": CHAT, "temperature": 0.0}
+        return {**base, "max_tokens": 80, "response_format": STRUCTURED, **options}
+
+    status, mtp = server.post(path, body())
+    _, plain = server.post(path, body(enable_mtp=False))
+    assert status == 200 and text_of(mtp) == text_of(plain)
+    jsonschema.validate(json.loads(text_of(mtp)), PERSON)
+    assert mtp["timings"]["draft_n"] > 0 and plain["timings"]["draft_n"] == 0
+    events = server.stream(path, body())
+    streamed = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for e in events for c in e["choices"])
+    assert streamed == text_of(mtp)
+    _, anything = server.post(path, body(response_format={"type": "json_object"}))
+    assert isinstance(json.loads(text_of(anything)), dict)
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}},
+    {"type": "json_schema", "json_schema": {"name": "no schema"}}, {"type": "yaml"}, "json"])
+def test_a_bad_response_format_gets_400(server, response_format):
+    status, answer = server.post("/v1/completions", completion(PROMPTS[0], response_format=response_format))
+    assert status == 400 and "response_format" in answer["error"], answer
+    assert server.post("/v1/completions", completion(PROMPTS[0], max_tokens=2))[0] == 200
+
+
+def test_a_grammar_that_cannot_finish_ends_at_max_tokens(server):
+    unbounded = {"type": "json_schema", "json_schema": {"schema": {"type": "array", "items": {"type": "string"},
+                                                                   "minItems": 20}}}
+    _, answer = server.post("/v1/completions", completion(PROMPTS[0], max_tokens=16, response_format=unbounded))
+    assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 16
+
+
+def test_constrained_and_free_requests_from_eight_clients(server):
+    """Eight clients at once, every other request under the schema: each answer is its own request's without MTP,
+    whatever shares its batch."""
+    def body(i: int, **options) -> dict:
+        structured = {"response_format": STRUCTURED} if i % 2 else {}
+        return completion(CONCURRENT[i % len(CONCURRENT)], max_tokens=60, **structured, **options)
+
+    expected = [text_of(server.post("/v1/completions", body(i, enable_mtp=False))[1]) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: server.post("/v1/completions", body(i))[1], range(8)))
+    assert [text_of(a) for a in answers] == expected
+    assert all(json.loads(text_of(a)) for a in answers[1::2])
+    assert all(a["timings"]["draft_n"] > 0 for a in answers)

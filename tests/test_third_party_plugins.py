@@ -18,6 +18,17 @@ PLUGINS = {
     "model-types-str": HOOK + "def mtp_model_types():\n    return 'qwen3_5'\n",
     "object-head": HOOK + "def mtp_build_head(model, config):\n    return object()\n",
     "claims-every-tensor": HOOK + "def mtp_head_name(name, model_type, sidecar, config):\n    return name\n",
+    "base-exception": "class Odd(BaseException):\n    pass\n\n\n" + HOOK
+                      + "def mtp_head_name(name, model_type, sidecar, config):\n    raise Odd('odd')\n",
+    "bytes-path": "import os\n\n\nclass P(os.PathLike):\n    def __fspath__(self):\n        return b'x'\n\n\n" + HOOK
+                  + "def mtp_sidecar_paths(model_dir, config):\n    return [P()]\n",
+    "path-outside": HOOK + "def mtp_sidecar_paths(model_dir, config):\n    return ['/etc/hostname.safetensors']\n",
+    "sidecar-missing-tensors": HOOK + "def mtp_load_sidecar(path, names):\n    return {}\n",
+    "headers-empty": HOOK + "def mtp_read_tensor_names(path):\n    return ({}, {})\n",
+    "linear-head": "import mlx.nn as nn\n\n\n" + HOOK
+                   + "def mtp_build_head(model, config):\n    return nn.Linear(1, 1)\n",
+    "step-breaks": HOOK + "def mtp_generate_step(prompt, model, options):\n"
+                   "    def tokens():\n        raise RuntimeError('later')\n        yield\n    return tokens()\n",
 }
 WHY = {"import": "cannot be loaded (ImportError: no module named torch)",
        "exit": "exited at import (SystemExit: 3)",
@@ -25,7 +36,14 @@ WHY = {"import": "cannot be loaded (ImportError: no module named torch)",
        "raising-hook": "raised from mtp_head_name (RuntimeError",
        "model-types-str": "returned 'qwen3_5' from mtp_model_types, which must return a list of model-type strings",
        "object-head": "from mtp_build_head, which must return an mlx.nn.Module, or None",
-       "claims-every-tensor": "answered mtp_head_name in a way that broke "}
+       "claims-every-tensor": "answered mtp_head_name in a way that broke ",
+       "base-exception": "raised from mtp_head_name (Odd: odd)",
+       "bytes-path": "from mtp_sidecar_paths, which must return paths inside the model directory",
+       "path-outside": "from mtp_sidecar_paths, which must return paths inside the model directory",
+       "sidecar-missing-tensors": "from mtp_load_sidecar, which must return every tensor it was asked for",
+       "headers-empty": "answered mtp_read_tensor_names in a way that broke ",
+       "linear-head": "answered mtp_build_head in a way that broke ",
+       "step-breaks": "raised from mtp_generate_step (RuntimeError: later)"}
 
 
 def install(site, fault: str) -> None:
@@ -48,7 +66,9 @@ def test_a_broken_third_party_plugin_disables_itself_alone(tmp_path, fault):
     assert len(warnings) == 1 and WHY[fault] in warnings[0] and "disabled" in warnings[0], out.stderr
 
 
-@pytest.mark.parametrize("fault", ["exit", "model-types-str", "object-head", "claims-every-tensor"])
+@pytest.mark.parametrize("fault", ["exit", "model-types-str", "object-head", "claims-every-tensor", "base-exception",
+                                   "bytes-path", "path-outside", "sidecar-missing-tensors", "headers-empty",
+                                   "linear-head"])
 def test_inspect_goes_on_without_a_broken_plugin(tmp_path, fault):
     install(tmp_path, fault)
     out = run([BIN / "mtp-plugin", "inspect", MLX4], PYTHONPATH=str(tmp_path))

@@ -4,6 +4,7 @@
 
 import base64
 import importlib.util
+import json
 import logging
 import shutil
 import subprocess
@@ -231,19 +232,19 @@ def _generators(checkpoint):
 
 
 def test_requests_the_batch_cannot_serve_decode_in_mlx_vlms_own(checkpoint):
-    """A request with its own logits processors (``response_format``: a grammar matcher must not see drafts that are
-    then rejected) or a thinking budget decodes in a stock generator beside the MTP batch, with stock's tokens."""
+    """A request with a thinking budget decodes in a stock generator beside the MTP batch; one with its own logits
+    processors decodes in the MTP batch (they are called position by position, as in plain decoding): stock's tokens
+    either way."""
     from mlx_vlm.server.generation import GenerationArguments
     from mtp_plugin.adapters.mlx_vlm_server import SplitGenerator
 
-    assert SplitGenerator.stock_reason(GenerationArguments(logits_processors=[lambda t, x: x]), None)
-    assert SplitGenerator.stock_reason(GenerationArguments(), object()) == "thinking budget"
-    assert SplitGenerator.stock_reason(GenerationArguments(), None) is None
+    assert SplitGenerator.stock_reason(object()) == "thinking budget"
+    assert SplitGenerator.stock_reason(None) is None
     _, make, decode = _generators(checkpoint)
     formatted = GenerationArguments(max_tokens=12, logits_processors=[lambda tokens, logits: logits])
     split = make(True, formatted)
     assert decode(split, formatted) == decode(make(False, formatted), formatted)
-    assert split.stock is not None and not split.requests  # both rows went to the stock generator
+    assert split.stock is None  # the row stayed in the MTP batch
 
 
 def test_a_fault_hands_the_rows_to_mlx_vlms_batch(checkpoint, monkeypatch, caplog):
@@ -388,3 +389,32 @@ def test_mlx_vlms_own_drafter_when_asked_for(checkpoint):
     assert text == stock_text and timings["draft_kind"] == "mtp" and timings["draft_n"] > 0, timings
     assert (timings["draft_n"], timings["draft_n_accepted"]) == (stock_timings["draft_n"],
                                                                   stock_timings["draft_n_accepted"])
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+STRUCTURED = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+def test_response_format_rows_join_the_mtp_batch(servers):
+    """Requests under a JSON schema (text and image) decode in the MTP batch with their drafts made under the grammar,
+    mlx-vlm's Metal-only mask replaced by one that runs on every device: the answer of the same request without MTP,
+    valid JSON; eight at once, every other one constrained, each answers as alone."""
+    import jsonschema
+
+    plugin, _ = servers
+    bodies = [chat(text=t, image=IMAGE if i % 4 == 1 else None, max_tokens=60,
+                   **({"response_format": STRUCTURED} if i % 2 == 0 else {}))
+              for i, t in enumerate([TEXT, "import os\n", "class Parser:\n", "for line in lines:\n"] * 2)]
+    alone = [answer(plugin, {**body, "enable_mtp": False})[0] for body in bodies]
+    text, timings = answer(plugin, bodies[0])
+    assert text == alone[0]
+    jsonschema.validate(json.loads(text), PERSON)
+    if COUNTERS:
+        assert timings["draft_n"] > 0
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(lambda body: answer(plugin, body), bodies))
+    assert [text for text, _ in together] == alone
+    for text in alone[::2]:
+        jsonschema.validate(json.loads(text), PERSON)

@@ -35,15 +35,22 @@ def _validated(model_dir: Path) -> tuple[HeadLocation, Validation | None]:
     return location, validate(location) if handled else None
 
 
+def _problem(found: tuple[HeadLocation, Validation | None]) -> str | None:
+    """The first thing that keeps a handled model type's head from running (``_validated``), or None."""
+    location, validation = found
+    if validation is None:
+        return None
+    return validation.problems[0] if validation.problems else None if location.tensors else "no head tensors"
+
+
 def inspect_dir(model_dir: Path) -> dict:
     """The inspect report of ``model_dir`` as a JSON-ready dict (keys: docs/commands.md#inspect).
 
     Raises:
         CheckpointError: unreadable config.json or weights header.
     """
-    location, validation = retried_without_answerers(
-        "mtp_head_name", "the head's validation", lambda: _validated(Path(model_dir)),
-        lambda found: found[1].problems[0] if found[1] is not None and found[1].problems else None)
+    location, validation = retried_without_answerers("the head's validation", lambda: _validated(Path(model_dir)),
+                                                     _problem)
     handled = validation is not None
     headers = trunk_headers(location)
     problems = []

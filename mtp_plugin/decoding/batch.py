@@ -13,6 +13,7 @@ import mlx.nn as nn
 
 from . import rollback
 from .drafter import PendingPairs, draft_logits, log_softmax, propose
+from .grammar import Grammar, constrain
 from .scheduler import RowState
 from .single import (
     NONFINITE,
@@ -41,6 +42,8 @@ class Row:
         schedule: the scheduler's ``RowState`` of the row (its lookup index holds every token up to ``last``).
         position: tokens drawn for good so far, ``last`` included: the next one's index among the generated tokens
             (``Sampling.keyed`` draws).
+        grammar: the row's ``grammar.Grammar`` (no processors then), which has consumed every generated token up to
+            ``last`` and, during a cycle, the row's drafts; None: unconstrained.
     """
 
     last: int
@@ -54,6 +57,7 @@ class Row:
     head_whole: bool = True
     schedule: RowState = field(default_factory=RowState)
     position: int = 0
+    grammar: Grammar | None = None
 
     def keep(self, hidden: mx.array, tokens: mx.array) -> None:
         """Committed pairs (hidden (1, n, H), tokens (n,)) for the head's next feed (``pending``)."""
@@ -75,6 +79,8 @@ class Verified:
     inputs: mx.array  # (B, D+1) ``[last, drafts…]``
     recorder: rollback.Recorder | None  # None for an all-plain step (nothing to roll back)
     nonfinite: bool = False  # some row's head output was NaN/Inf: its drafts were rejected
+    forced: list[int] | None = None  # per row, drafts its grammar forced
+    masked: list[int] | None = None  # per row, head drafts its grammar changed
 
 
 @dataclass
@@ -134,17 +140,22 @@ class BatchDrafter:
         positions = getattr(self.trunk, "batch_head_positions", None)
         return None if positions is None else positions(head_cache, length)
 
-    def _choose(self, rows: list[Row], g: mx.array, depths: list[int]) -> tuple[mx.array, list]:
-        """Draft tokens (B,) from head outputs g (B, 1, H) and, per sampled row, its q (1, V)."""
-        logits = draft_logits(g[:, 0], self.trunk, self.vocab)
+    def _choose(self, rows: list[Row], g: mx.array, depths: list[int], allowed: mx.array | None = None
+                ) -> tuple[mx.array, list, mx.array | None]:
+        """Draft tokens (B,) from head outputs g (B, 1, H), per sampled row its q (1, V), and, under ``allowed``
+        (B, T) grammar masks (full vocabulary then), the head's unmasked top tokens (B,)."""
+        vocab = self.vocab if allowed is None else None
+        logits = draft_logits(g[:, 0], self.trunk, vocab)
+        top = None if allowed is None else mx.argmax(logits, axis=-1)
+        logits = logits if allowed is None else constrain(logits, allowed)
         if all(r.sampling is None for r in rows):
-            return propose(logits, vocab=self.vocab)[0], [None] * len(rows)
+            return propose(logits, vocab=vocab)[0], [None] * len(rows), top
         tokens, qs = [], []
         for i, row in enumerate(rows):
-            token, q = propose(logits[i : i + 1], row.sampling if depths[i] else None, self.vocab)
+            token, q = propose(logits[i : i + 1], row.sampling if depths[i] else None, vocab)
             tokens.append(token)
             qs.append(q)
-        return mx.concatenate(tokens), qs
+        return mx.concatenate(tokens), qs, top
 
     def _pick(self, row: Row, logprobs: mx.array) -> mx.array:
         """Plain tokens (N,) from log-probs (N, V) of the row's next N positions: its keyed draws, else its own
@@ -157,9 +168,12 @@ class BatchDrafter:
 
     def plain(self, rows: list[Row], cache: list, inputs: mx.array) -> Step:
         """Queue one plain step of every row, as mlx-lm's ``GenerationBatch``: feed ``inputs`` (B), apply each
-        row's processors (its history grows by its input) and sampler; the ``Step``, evaluated asynchronously."""
+        row's processors (its history grows by its input) or grammar mask (its state as it stands: the token it
+        takes is consumed by the caller) and sampler; the ``Step``, evaluated asynchronously."""
         hidden = self.trunk.hidden(inputs[:, None], cache)
         logits = self.trunk.trunk_logits(hidden)[:, -1]
+        if any(row.grammar is not None for row in rows):
+            logits = constrain(logits, _stack([row.grammar and row.grammar.allowed() for row in rows]))
         if any(row.processors for row in rows):
             rows_logprobs = []
             for i, row in enumerate(rows):
@@ -195,20 +209,35 @@ class BatchDrafter:
             lookups: per row, ``(drafts, match)``: context token ids verified instead of the head's drafts (its depth
                 ignored) and the match length; None: the head's.
         """
-        lookups = lookups or [None] * len(rows)
-        depths = [0 if looked is not None or not len(row.pending) else d
+        lookups = list(lookups or [None] * len(rows))
+        allowed = {}  # per constrained row: its grammar's masks before each draft and after the last
+        for i, row in enumerate(rows):
+            if row.grammar is not None and lookups[i] is not None:  # cut at the first token the grammar forbids
+                cut = lookups[i][0][: row.grammar.valid_prefix(lookups[i][0])]
+                lookups[i] = (cut, lookups[i][1]) if cut else None
+                allowed[i] = row.grammar.walk(cut)
+            elif row.grammar is not None:
+                allowed[i] = [row.grammar.allowed()]
+        depths = [0 if looked is not None or not len(row.pending) or (row.grammar and row.grammar.stopped) else d
                   for row, d, looked in zip(rows, depths, lookups, strict=True)]
         head_width = max(depths)
         g = self._feed(rows, head_cache) if head_width else None  # parked rows keep their pairs for later
         drafts, qs, finite = [], [], mx.array(True)
+        forced, masked = [0] * len(rows), [0] * len(rows)
         for k in range(head_width):
             finite = finite & mx.all(mx.isfinite(g), axis=(1, 2))  # (B,) once a row's output is seen
-            x, q = self._choose(rows, g, depths)
+            steering = {i for i in allowed if depths[i] > k}  # constrained rows drafting at this step
+            masks = _stack([allowed[i][-1] if i in steering else None for i in range(len(rows))]) if steering else None
+            x, q, top = self._choose(rows, g, depths, masks)
+            if steering:
+                x = self._steer(rows, steering, x, q, top, allowed, depths, k, forced, masked)
             drafts.append(x)
             qs.append(q)
-            if k < head_width - 1:
-                g = self.head(g, self.trunk.embed(x[:, None]), cache=head_cache, mask=head_cache.make_mask(1),
-                              positions=self._positions(head_cache, 1))
+            if k + 1 >= max(depths):  # constrained rows may stop early: no further head step
+                head_width = k + 1
+                break
+            g = self.head(g, self.trunk.embed(x[:, None]), cache=head_cache, mask=head_cache.make_mask(1),
+                          positions=self._positions(head_cache, 1))
         matches = [0 if looked is None else looked[1] for looked in lookups]
         depths = [d if looked is None else len(looked[0]) for d, looked in zip(depths, lookups, strict=True)]
         width = max(depths)
@@ -232,12 +261,14 @@ class BatchDrafter:
             d = depths[i]
             q, row_finite = None, finite[i] if head_width else finite
             keyed = row.sampling is not None and row.sampling.keyed is not None
+            row_logits = logits[i, : d + 1] if i not in allowed else constrain(logits[i, : d + 1],
+                                                                                  mx.stack(allowed[i][: d + 1]))
             if d and row.sampling is not None and not keyed:
+                point = (mx.arange(logits.shape[-1])[None] == inputs[i, 1 : d + 1, None]).astype(mx.float32)
                 if matches[i]:  # a lookup row: a point mass at each draft (``single._Loop.launch_lookup``)
-                    q, row_finite = (mx.arange(logits.shape[-1])[None] == inputs[i, 1 : d + 1, None]).astype(
-                        mx.float32), mx.array(True)
-                else:
-                    q = mx.concatenate([qs[k][i] for k in range(d)], axis=0)
+                    q, row_finite = point, mx.array(True)
+                else:  # a draft its grammar forced has no q: a point mass too
+                    q = mx.concatenate([point[k : k + 1] if qs[k][i] is None else qs[k][i] for k in range(d)])
             if d and row.processors:  # read position by position below
                 walks[i] = Walk(logits[i, : d + 1], inputs[i, : d + 1], row.history, row.processors, row.sampling,
                                 q, row_finite, row.position)
@@ -246,7 +277,7 @@ class BatchDrafter:
                 accepted.append(mx.array(0))
                 tokens.append(mx.zeros((width + 1,), mx.uint32))
                 continue
-            lp = processed_logprobs(logits[i, : d + 1], inputs[i, : d + 1], row.history, row.processors)
+            lp = processed_logprobs(row_logits, inputs[i, : d + 1], row.history, row.processors)
             logprobs.append(mx.pad(lp, [(0, width - d), (0, 0)]))
             if d == 0:
                 accepted.append(mx.array(0))
@@ -275,7 +306,29 @@ class BatchDrafter:
             logprobs[i] = mx.pad(lp, [(0, width + 1 - lp.shape[0]), (0, 0)])
         logprobs = mx.stack(logprobs)
         return Verified(depths, matches, head_width, counts, blocks, logprobs, hidden, inputs, recorder,
-                        NONFINITE in outcomes)
+                        NONFINITE in outcomes, forced, masked)
+
+    @staticmethod
+    def _steer(rows: list[Row], steering: set[int], x: mx.array, qs: list, top: mx.array, allowed: dict,
+               depths: list[int], k: int, forced: list[int], masked: list[int]) -> mx.array:
+        """Draft step ``k`` of the ``steering`` rows under their grammars (one host read): the token a grammar forces
+        replaces the head's (its q None), the grammar consumes the draft and gives the next mask; a row whose grammar
+        is complete drafts no more (``depths`` cut). Returns the step's tokens (B,)."""
+        tokens, tops = x.tolist(), top.tolist()
+        for i in steering:
+            grammar, mask = rows[i].grammar, allowed[i][-1]
+            token = grammar.forced()
+            if token is None:
+                token = tokens[i]
+                masked[i] += tops[i] >= mask.shape[0] or not mask[tops[i]].item()
+            else:
+                tokens[i], qs[i] = token, None
+                forced[i] += 1
+            grammar.advance([token])
+            allowed[i].append(grammar.allowed())
+            if grammar.stopped:
+                depths[i] = k + 1
+        return mx.array(tokens, dtype=x.dtype)
 
     def final_call(self, row: Row, cache: list) -> None:
         """The processors' call for a finishing row's ``last``, which no pass fed: one trunk step over
@@ -298,6 +351,17 @@ class BatchDrafter:
                 row.history = mx.concatenate([row.history, verified.inputs[i, :k]])
             row.last = verified.blocks[i][k - 1]
             row.position += k
+            if row.grammar is not None:  # it consumed the drafts: keep the k - 1 committed, then ``last``
+                row.grammar.keep(k - 1)
+                row.grammar.advance([row.last])
+                row.grammar.commit()
+
+
+def _stack(masks: list[mx.array | None]) -> mx.array:
+    """Grammar masks (T,) per row as one (B, T) bool array; a row without one (None) allows every token."""
+    width = max(m.shape[0] for m in masks if m is not None)
+    return mx.stack([mx.ones((width,), mx.bool_) if m is None else mx.pad(m, [(0, width - m.shape[0])])
+                     for m in masks])
 
 
 def _cut(block: list[int], ends) -> list[int]:

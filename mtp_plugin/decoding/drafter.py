@@ -3,10 +3,13 @@ i+1) of every committed position, and the drafts it proposes. Design: docs/decod
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..head import norm_settling
+from .grammar import constrain
 
 HISTORY_WINDOW = 32  # most pairs kept unfed for the head; older ones are dropped (``PendingPairs``)
 
@@ -81,6 +84,26 @@ def propose(logits: mx.array, sampling=None, vocab=None, position: int = 0) -> t
     return (index, q) if vocab is None else (vocab.tokens(index), vocab.spread(q))
 
 
+@dataclass
+class GrammarDraft:
+    """``Drafter.draft_under``'s drafts: tokens (1,) each, q (1, V) each when sampling exactly (None when forced or not
+    sampling exactly), ``allowed``
+    the grammar's mask before each draft and after the last (n+1 of them), the drafts it ``forced``, the head drafts it
+    ``masked`` (the head's top token forbidden), and ``finite``: every head output finite."""
+
+    allowed: list
+    drafts: list = field(default_factory=list)
+    qs: list = field(default_factory=list)
+    forced: int = 0
+    masked: int = 0
+    finite: mx.array | None = None
+
+    def q(self, width: int) -> mx.array:
+        """q (n, ``width``) of the drafts, a forced draft's a point mass at it (exact sampling only)."""
+        return mx.concatenate([q if q is not None else (mx.arange(width) == x)[None].astype(mx.float32)
+                               for x, q in zip(self.drafts, self.qs, strict=True)])
+
+
 class Drafter:
     """Drafting with an MTP head ``head(hidden (1, S, H), embeddings (1, S, H), cache) -> (1, S, H)``, or None
     (``stopped`` from the start: context drafts only); ``cache``: its empty trimmable KV cache."""
@@ -147,6 +170,38 @@ class Drafter:
         if depth == 1:
             return drafts[0], qs[0], finite
         return mx.concatenate(drafts), None if qs[0] is None else mx.concatenate(qs), finite
+
+    def draft_under(self, grammar, depth: int, position: int = 0) -> GrammarDraft:
+        """``draft`` under ``grammar`` (``grammar.Grammar``), which consumes the drafts: each step's draft is the token
+        the grammar forces (the head's choice skipped) or the head's best allowed token, read on the host; drafting
+        stops once the grammar is complete. The draft vocabulary is not used."""
+        hidden, tokens = self.pending.take()
+        g = self.feed(hidden, tokens, self.committed - tokens.size)[:, -1:]
+        out = GrammarDraft([grammar.allowed()])
+        outputs = []
+        for k in range(depth):
+            if grammar.stopped:
+                break
+            token, allowed = grammar.forced(), out.allowed[-1]
+            if token is None:
+                logits = draft_logits(g[0], self.trunk)
+                x, q = propose(constrain(logits, allowed), self.sampling, None, position + k)
+                top = mx.argmax(logits, axis=-1)
+                mx.eval(x, top)
+                token, top = x.item(), top.item()
+                out.masked += top >= allowed.shape[0] or not allowed[top].item()
+            else:
+                x, q = mx.array([token], dtype=mx.uint32), None  # q: a point mass (``GrammarDraft.q``)
+                out.forced += 1
+            grammar.advance([token])
+            out.allowed.append(grammar.allowed())
+            out.drafts.append(x.astype(mx.uint32))
+            out.qs.append(q)
+            outputs.append(g)
+            if k < depth - 1:
+                g = self.feed(g, x, self.committed + k)
+        out.finite = mx.isfinite(mx.concatenate(outputs, axis=1)).all() if outputs else mx.array(True)
+        return out
 
     def accept(self, depth: int, hidden: mx.array, tokens: mx.array) -> None:
         """After a verify pass at ``depth``: drop the draft steps' cache rows, keep the accepted pairs."""

@@ -18,8 +18,9 @@ import mlx.nn as nn
 from ..head.health import HeadHealth
 from . import rollback
 from .controller import PLAIN, FixedDepth
-from .drafter import Drafter
+from .drafter import Drafter, GrammarDraft
 from .drafter import log_softmax as _log_softmax
+from .grammar import Grammar, constrain, grammar_of
 from .lockstep import NONE, Lockstep, LockstepError
 from .lookup import LookupPolicy
 from .sampling import GumbelDraws
@@ -256,25 +257,40 @@ class _Cycle:
     recorder: rollback.Recorder
     walk: Walk | None = None
     match: int = 0  # a lookup draft's match length (``lookup.ContextIndex``); 0: the head drafted
+    forced: int = 0  # drafts a grammar forced
+    masked: int = 0  # head drafts a grammar changed
 
 
 class _Loop:
-    """One generation's state: ``last`` (1,), fed first by the next pass; ``history``, what the processors saw."""
+    """One generation's state: ``last`` (1,), fed first by the next pass; ``history``, what the processors saw;
+    ``grammar``, which has consumed every committed token (and, during a cycle, its drafts)."""
 
-    def __init__(self, trunk, cache, drafter, sampling, processors, history, cache_step=None):
+    def __init__(self, trunk, cache, drafter, sampling, processors, history, cache_step=None,
+                 grammar: Grammar | None = None):
         self.trunk, self.cache, self.drafter = trunk, cache, drafter
         self.sampling, self.processors = sampling, processors
         self.last, self.history = None, history
         self.cache_step = cache_step
+        self.grammar = grammar
         self.uncaptured = False  # the capture points were found gone: plain steps only
         self.position = 0  # generated tokens drawn for good so far: the next one's position (``Sampling.keyed``)
+
+    def set_last(self, token: mx.array) -> None:
+        """``token`` (1,) becomes ``last``; the grammar consumes it (a host read) and commits."""
+        self.last = token
+        if self.grammar is not None:
+            self.grammar.advance(token.tolist())
+            self.grammar.commit()
 
     def after_pass(self) -> int | None:
         """Run the runtime's cache step on the committed cache; the most tokens the next pass may feed."""
         return None if self.cache_step is None else self.cache_step(self.cache)
 
     def logprobs_at(self, logits: mx.array, inputs: mx.array, past: mx.array | None) -> mx.array:
-        """Log-probs (S, V) after the processors, position i seeing ``past`` + ``inputs[:i+1]``."""
+        """Log-probs (S, V) after the processors, position i seeing ``past`` + ``inputs[:i+1]``; under a grammar
+        (no processors then) one position, masked by the grammar's current state."""
+        if self.grammar is not None:
+            logits = constrain(logits, self.grammar.allowed())
         return processed_logprobs(logits, inputs, past, self.processors)
 
     def pick(self, logprobs: mx.array) -> mx.array:
@@ -300,22 +316,37 @@ class _Loop:
         """A plain step's token becomes ``last``; its pair is kept for the head."""
         hidden, _, following = step
         self.drafter.keep(hidden, following)
-        self.last = following
+        self.set_last(following)
 
     def launch(self, depth: int) -> _Cycle | None:
         """Queue a cycle at ``depth``: draft, verify ``[last, drafts…]``, accept. None, caches untouched, when the
         capture points were removed during the pass (``unpatch()`` on another thread): plain steps from then on."""
+        if self.grammar is not None:  # drafted under the grammar, a host read per step; None: it allows no draft
+            drafted = self.drafter.draft_under(self.grammar, depth, self.position)
+            if not drafted.drafts:
+                return None
+            return self.verify(mx.concatenate(drafted.drafts), None, drafted.finite, drafted=drafted)
         drafts, q, finite = self.drafter.draft(depth, self.position)
         mx.async_eval(drafts)  # the head runs while the verify pass is built
         return self.verify(drafts, q, finite)
 
     def launch_lookup(self, drafts: list[int], match: int) -> _Cycle | None:
-        """Queue a cycle verifying lookup ``drafts`` without the head (point-mass q when sampling); as ``launch``."""
+        """Queue a cycle verifying lookup ``drafts`` without the head (point-mass q when sampling); as ``launch``.
+        Under a grammar they are cut at the first token it forbids (None when that is the first)."""
+        allowed = None
+        if self.grammar is not None:
+            drafts = drafts[: self.grammar.valid_prefix(drafts)]
+            if not drafts:
+                return None
+            allowed = self.grammar.walk(drafts)
         self.drafter.catch_up(len(drafts) + 1)
-        return self.verify(mx.array(drafts, dtype=self.last.dtype), None, mx.array(True), match)
+        drafted = None if allowed is None else GrammarDraft(allowed)
+        return self.verify(mx.array(drafts, dtype=self.last.dtype), None, mx.array(True), match, drafted)
 
-    def verify(self, drafts: mx.array, q: mx.array | None, finite: mx.array, match: int = 0) -> _Cycle | None:
-        """Queue the verify pass of ``[last, drafts…]`` and its acceptance (q None: greedy or a point mass)."""
+    def verify(self, drafts: mx.array, q: mx.array | None, finite: mx.array, match: int = 0,
+               drafted: GrammarDraft | None = None) -> _Cycle | None:
+        """Queue the verify pass of ``[last, drafts…]`` and its acceptance (q None: greedy or a point mass; ``drafted``:
+        a grammar's masks per position, and the q of drafts made under it)."""
         depth = drafts.size
         inputs = mx.concatenate([self.last, drafts])
         undo = rollback.snapshot(self.cache)
@@ -328,8 +359,12 @@ class _Loop:
                         "decoding steps (the same tokens).")
             return None
         logits = self.trunk.trunk_logits(hidden[0])
+        if drafted is not None:
+            logits = constrain(logits, mx.stack(drafted.allowed))
         if match and self.sampling is not None and self.sampling.keyed is None:
             q = (mx.arange(logits.shape[-1])[None] == drafts[:, None]).astype(mx.float32)  # point mass (D, V)
+        elif drafted is not None and self.sampling is not None and self.sampling.keyed is None:
+            q = drafted.q(logits.shape[-1])
         if self.processors:  # acceptance read position by position, as the block is yielded (``Walk``)
             walk = Walk(logits, inputs, self.history, self.processors, self.sampling, q, finite, self.position)
             mx.async_eval(logits)
@@ -343,7 +378,8 @@ class _Loop:
             accepted, tokens = accept_sampled(self.sampling.probs(logprobs), q, drafts, finite)
         accepted = reject_nonfinite(accepted, finite)  # greedy: tokens are the trunk's argmax either way
         mx.async_eval(accepted, tokens)
-        return _Cycle(depth, inputs, hidden, logprobs, accepted, tokens, recorder, match=match)
+        counts = (0, 0) if drafted is None else (drafted.forced, drafted.masked)
+        return _Cycle(depth, inputs, hidden, logprobs, accepted, tokens, recorder, None, match, *counts)
 
     def commit(self, cycle: _Cycle, accepted: int) -> None:
         """Keep ``inputs[:accepted+1]``: caches rolled back, the head given those pairs, ``last`` the next token."""
@@ -355,7 +391,9 @@ class _Loop:
             self.drafter.accept(cycle.depth, cycle.hidden[:, : accepted + 1], cycle.tokens[: accepted + 1])
         if self.processors:
             self.history = mx.concatenate([self.history, cycle.inputs[: accepted + 1]])
-        self.last = cycle.tokens[accepted : accepted + 1]
+        if self.grammar is not None:
+            self.grammar.keep(accepted)  # it consumed the drafts
+        self.set_last(cycle.tokens[accepted : accepted + 1])
 
     def feed_last(self) -> list[mx.array]:
         """Feed ``last`` to the trunk, plus the processors' call for it; the arrays to evaluate with the cache."""
@@ -400,7 +438,8 @@ def generate(
         head_cache: an empty trimmable KV cache for the head (None without a head).
         depth: a fixed draft depth 1..8, or a ``DepthPolicy`` choosing it per cycle.
         max_tokens: -1: no limit.
-        logits_processors: mlx-lm style ``processor(tokens, logits) -> logits``.
+        logits_processors: mlx-lm style ``processor(tokens, logits) -> logits``; one ``grammar.GrammarProcessor``
+            alone is a grammar the drafts are made under (``grammar.grammar_of``).
         prefill_history: the processors see the whole prompt (mlx-lm ≥ 0.32); False: only its last token.
         one_pass: feed the prompt in one trunk pass, as mlx-vlm 0.6 does; else all but its last token, then the last.
         health: the head's ``head.health.HeadHealth``, which parks it on a non-finite output or too little acceptance.
@@ -426,11 +465,11 @@ def generate(
     if lockstep is not None and sampling is not None:
         lockstep.share_seed()
     stats = stats if stats is not None else MTPStats(depth if isinstance(depth, int) else None)
-    processors = list(logits_processors or [])
+    grammar, processors = grammar_of(logits_processors)
     callback = prompt_progress_callback or (lambda *_: None)
     history = (prompt if prefill_history else prompt[-1:]) if processors else None
     drafter = Drafter(head, trunk, head_cache, sampling, draft_vocab)
-    loop = _Loop(trunk, cache, drafter, sampling, processors, history, cache_step)
+    loop = _Loop(trunk, cache, drafter, sampling, processors, history, cache_step, grammar)
     health = health if health is not None else HeadHealth("given to single.generate")
     if health.parked:
         drafter.stop()
@@ -449,7 +488,7 @@ def generate(
     hidden = trunk.hidden(chunk[None], cache)
     drafter.prefill(carry, hidden, chunk)
     first = loop.logprobs_at(trunk.trunk_logits(hidden[0, -1:]), chunk[-1:], history[:-1] if processors else None)
-    loop.last = loop.pick(first)
+    loop.set_last(loop.pick(first))
     callback(total, total)
     drafter.keep(hidden[:, -1:], loop.last)
     if lookup is not None:
@@ -533,6 +572,8 @@ def generate(
                 _record(stats, cycle, accepted, emitted)
             elif source is Block.PLAIN:
                 stats.plain += 1
+            if grammar is not None:
+                stats.grammar_seconds = grammar.seconds
             emitted = 0
             source, item = following
             own_launch = launch
@@ -590,14 +631,18 @@ def generate(
             _close_cache(loop, source, cycle, accepted, following, emitted, stats)
         if sampling is not None and sampling.coupled:  # as the runtime's loop: a draw per token, one queued ahead
             sampling.keyed.release(n + 1)
+        if grammar is not None:
+            stats.grammar_seconds = grammar.seconds
 
 
 def _record(stats: MTPStats, cycle: _Cycle, accepted: int, emitted: int) -> None:
-    """Count a cycle on ``stats``: a head cycle by its depth, a lookup cycle apart."""
+    """Count a cycle on ``stats``: a head cycle by its depth, a lookup cycle apart; a grammar's forced and masked
+    drafts."""
     if cycle.match:
         stats.record_lookup(accepted, emitted, cycle.depth)
     else:
         stats.record(accepted, emitted, cycle.depth)
+    stats.forced, stats.masked = stats.forced + cycle.forced, stats.masked + cycle.masked
 
 
 def _parks(health: HeadHealth, depth: int, outcome: int) -> bool:

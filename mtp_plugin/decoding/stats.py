@@ -17,6 +17,9 @@ class MTPStats:
         reached: per draft position k (index k-1), cycles whose drafts 1..k-1 were all accepted.
         accepted_at: per draft position k (index k-1), cycles whose draft k was accepted.
         lookup_cycles, …: the same counts for cycles that verified context drafts (not in the counts above).
+        forced: drafts a grammar forced (counted in ``drafted`` too; the head did not choose them).
+        masked: head drafts a grammar changed (the head's top token was forbidden).
+        grammar_seconds: host time in the grammar (masks, forced tokens, consumption, rollback).
         headless: the model has no head (lookup drafts and plain steps only).
     """
 
@@ -33,6 +36,9 @@ class MTPStats:
     lookup_drafted: int = 0
     lookup_accepted: int = 0
     lookup_emitted: int = 0
+    forced: int = 0
+    masked: int = 0
+    grammar_seconds: float = 0.0
     headless: bool = False
 
     def record_lookup(self, accepted: int, emitted: int, drafted: int) -> None:
@@ -62,7 +68,7 @@ class MTPStats:
     def add(self, other: MTPStats) -> None:
         """Accumulate another generation's counts into this one (the depths of both are kept)."""
         for name in ("cycles", "drafted", "accepted", "emitted", "plain", "lookup_cycles", "lookup_drafted",
-                     "lookup_accepted", "lookup_emitted"):
+                     "lookup_accepted", "lookup_emitted", "forced", "masked", "grammar_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("reached", "accepted_at"):
             mine, theirs = getattr(self, name), getattr(other, name)
@@ -106,4 +112,6 @@ class MTPStats:
         if self.lookup_cycles:
             line += (f" lookup: cycles={self.lookup_cycles} drafted={self.lookup_drafted} "
                      f"accepted={self.lookup_accepted}")
+        if self.forced or self.masked:
+            line += f" grammar: forced={self.forced} masked={self.masked}"
         return line

@@ -4,6 +4,7 @@ its head tensors). Every request goes through huggingface_hub. Design: docs/comm
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -110,6 +111,8 @@ def head_checkpoint(repo_id: str, revision: str | None = None, check_config=None
     from huggingface_hub.utils import validate_repo_id
 
     validate_repo_id(repo_id)  # HFValidationError (a ValueError): the cache folder is named after it
+    if revision is not None:  # huggingface_hub keeps refs/REVISION in its cache
+        confined(Path(constants.HF_HUB_CACHE), revision, "--revision")
     where = repo_id if revision is None else f"{repo_id} at revision {revision}"
     try:
         config_file = Path(hf_hub_download(repo_id, "config.json", revision=revision))
@@ -144,8 +147,10 @@ def head_checkpoint(repo_id: str, revision: str | None = None, check_config=None
 
 
 def _cached(head: Path, where: str) -> bool:
-    """Whether a fetched head is kept at ``head`` and reads; one that does not is removed, with one warning."""
+    """Whether a fetched head is kept at ``head`` and reads; one that does not is removed, with one warning (a folder
+    without config.json, the rest of a discard cut short, silently)."""
     if not (head / "config.json").is_file():
+        shutil.rmtree(head, ignore_errors=True)
         return False
     try:
         problems = stored_problems(find_head(head))
@@ -238,11 +243,12 @@ def _read_range(url: str, start: int, end: int) -> bytes:
 
 
 def _fetch(repo_id: str, commit: str, remote: RemoteFile, incomplete: Path) -> Path:
-    """Write ``remote``'s reduced file to ``incomplete/COMMIT--NAME.part``, resuming; its path once complete."""
+    """Write ``remote``'s reduced file to ``incomplete/COMMIT--HASH.part`` (HASH: of its name, so that no two names
+    share one), resuming; its path once complete."""
     from huggingface_hub.utils import tqdm
 
     incomplete.mkdir(parents=True, exist_ok=True)
-    path = incomplete / f"{commit}--{remote.name.replace('/', '--')}.part"
+    path = incomplete / f"{commit}--{hashlib.sha256(remote.name.encode()).hexdigest()[:32]}.part"
     header = remote.local_header()
     with open(path, "a+b") as f:
         f.seek(0)

@@ -409,7 +409,10 @@ def mtp_load_sidecar(path, names):
     path = Path(path)
     if path.suffix != ".safetensors":
         return None
-    arrays = mx.load(str(path))
+    try:
+        arrays = mx.load(str(path))
+    except (RuntimeError, ValueError) as e:  # mlx's own reader refused what the header check let through
+        raise CheckpointError(f"{path}: mlx cannot read it ({e}); re-download or re-export it.") from None
     missing = [n for n in names if n not in arrays]
     if missing:
         raise CheckpointError(f"{path}: tensor {missing[0]!r} listed but absent; the file is truncated.")

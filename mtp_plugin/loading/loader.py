@@ -13,7 +13,7 @@ import mlx.nn as nn
 from ..head import draft_vocab, health, norm_settling
 from ..head.conventions import ZERO_CENTRED, Contract, NormDecision
 from ..head.health import HeadHealth
-from ..plugins import hook
+from ..plugins import hook, retried_without_answerers, third_party
 from .card import graft_command
 from .checkpoint import CheckpointError, HeadLocation, find_head, read_config
 from .diagnostics import head_statistics, judge
@@ -127,10 +127,14 @@ def _warn_if_random(location: HeadLocation, validation: Validation) -> None:
 def attach_head(model: nn.Module, model_dir: Path, config: dict, location: HeadLocation | None = None
                 ) -> LoadedHead | None:
     """Load the head of ``model_dir`` onto ``model.mtp_head`` (a plain attribute, not a child) with its open norms
-    (``norm_settling.attach``) and tuned draft vocabulary (``draft_vocab.attach``). Never raises for a bad head: one
-    warning, ``mtp_head`` None, the trunk usable."""
+    (``norm_settling.attach``) and tuned draft vocabulary (``draft_vocab.attach``); a head that third-party plugins'
+    answers broke is loaded once more without them (``plugins.retried_without_answerers``). Never raises for a bad
+    head: one warning, ``mtp_head`` None, the trunk usable."""
+    located = iter([None if third_party() else location, None])  # with their answers seen; a retry finds it again
     try:
-        model.mtp_head = load_head(model, model_dir, config, location)
+        model.mtp_head = retried_without_answerers(f"the head of {model_dir}",
+                                                   lambda: load_head(model, model_dir, config, next(located)),
+                                                   lambda head: "no head found" if head is None else None)
         if model.mtp_head is not None:
             norm_settling.attach(model.mtp_head)
             draft_vocab.attach(model, model.mtp_head)

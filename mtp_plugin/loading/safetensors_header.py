@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAX_HEADER = 100_000_000  # bytes: the safetensors library's own limit
-DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16,
-              "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4,
-              "F6_E2M3": 6, "F6_E3M2": 6}
+MAX_DIM = 2**31 - 1  # mlx's shapes are int32
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+              "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "C64": 64}  # the dtypes ``mx.load`` reads
 
 
 class HeaderError(ValueError):
@@ -45,16 +45,18 @@ def read_header(read: Callable[[int, int], bytes], size: int) -> Header:
     length = int.from_bytes(read(0, 8), "little")
     if length > min(MAX_HEADER, size - 8):
         raise HeaderError(f"its header length {length} exceeds the file's {size} bytes or {MAX_HEADER} bytes")
-    try:
-        header = json.loads(read(8, 8 + length))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HeaderError(f"its header is not JSON ({e})") from None
+    try:  # UTF-8 only (``json.loads`` of bytes would take UTF-16 too); nesting and digits bounded by json itself
+        header = json.loads(read(8, 8 + length).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise HeaderError(f"its header is not UTF-8 JSON ({str(e)[:120]})") from None
     if not isinstance(header, dict):
         raise HeaderError(f"its header is a JSON {type(header).__name__}, not an object")
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not (isinstance(metadata, dict)
                                      and all(isinstance(v, str) for v in metadata.values())):
         raise HeaderError("its __metadata__ is not an object of strings")
+    if not all(map(_encodes, [*header, *(metadata or {}), *(metadata or {}).values()])):
+        raise HeaderError("a name or metadata string is not valid UTF-8 (a lone surrogate)")
     for name, entry in header.items():
         _check_entry(name, entry)
     entries = dict(sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])))
@@ -85,9 +87,9 @@ def _check_entry(name: str, entry) -> None:
         raise HeaderError(f"tensor {name!r}: its entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if dtype not in DTYPE_BITS:
-        raise HeaderError(f"tensor {name!r}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_natural(d) for d in shape):
-        raise HeaderError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+        raise HeaderError(f"tensor {name!r}: dtype {dtype!r} is unknown or one mlx cannot read")
+    if not isinstance(shape, list) or not all(_natural(d) and d <= MAX_DIM for d in shape):
+        raise HeaderError(f"tensor {name!r}: shape {str(shape)[:80]} is not a list of integers 0..{MAX_DIM}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_natural, offsets))
             and offsets[0] <= offsets[1]):
         raise HeaderError(f"tensor {name!r}: data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
@@ -95,6 +97,14 @@ def _check_entry(name: str, entry) -> None:
     if bits != 8 * (offsets[1] - offsets[0]):
         raise HeaderError(f"tensor {name!r}: {dtype} {shape} needs {bits / 8:g} bytes, its data_offsets give "
                           f"{offsets[1] - offsets[0]}")
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _natural(value) -> bool:

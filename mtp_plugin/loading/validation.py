@@ -198,6 +198,8 @@ def stored_problems(location: HeadLocation) -> list[str]:
     read (``checkpoint.load_tensors``) and its float values checked finite. Structure is ``validate``'s."""
     if location.unusable:
         return list(location.unusable)
+    if not location.tensors:
+        return [f"{location.model_dir}: no head tensors in any file"]
     try:
         return _nonfinite(load_tensors(list(location.tensors.values())), location)
     except (CheckpointError, ValueError, RuntimeError) as e:  # mlx raises ValueError/RuntimeError on a short file

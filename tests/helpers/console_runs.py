@@ -27,7 +27,7 @@ DISABLE = "MTP_PLUGIN_DISABLE"
 PATCH_FAILED = "mtp_plugin: patching mlx_lm failed; runtimes left stock."
 MTP_LINE = re.compile(r"^MTP: depth=(\d+|auto) drafted=(\d+) accepted=(\d+) acceptance=([0-9.]+) "
                       r"tokens/cycle=([0-9.]+)(?: cycles=\S+ plain=\d+)?(?: lookup: cycles=\d+ drafted=\d+ "
-                      r"accepted=\d+)?$", re.M)
+                      r"accepted=\d+)?(?: grammar: forced=\d+ masked=\d+)?$", re.M)
 TEXT = re.compile(r"^==========\n(.*?)\n==========$", re.M | re.S)
 FIGURES = re.compile(r"[0-9.]+ (tokens-per-sec|GB)")
 # What the server tests send: short code prompts, as the bundled model was trained on.
