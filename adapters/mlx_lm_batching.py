@@ -8,7 +8,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -657,16 +657,18 @@ class _Matcher:
         self.stops = stops
         self.modern = hasattr(stops, "matcher")
         self.state = stops.matcher() if self.modern else stops.make_state()
-        self.match = self.current = None
+        self.unsent = deque()  # 0.31: each advanced token's fields, until its Response is made
 
     def advance(self, token: int) -> bool:
         """Whether ``token`` completes a stop sequence."""
         if self.modern:
             return self.state.advance(token)
-        self.state, self.match, self.current = self.stops.match(self.state, token)
-        return self.match is not None and self.current is None
+        self.state, match, current = self.stops.match(self.state, token)
+        self.unsent.append({"current_state": current, "match_sequence": match})
+        return match is not None and current is None
 
     def fields(self) -> dict:
-        """The version's extra ``Response`` fields for the token just matched."""
-        return {} if self.modern else {"current_state": self.current, "match_sequence": self.match}
+        """The version's extra ``Response`` fields for the oldest advanced token not yet responded to (0.31's server
+        files a token's text by its state: a block's tokens keep their own)."""
+        return {} if self.modern else self.unsent.popleft()
 
