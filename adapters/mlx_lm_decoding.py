@@ -228,30 +228,60 @@ def structured_output(stream_generate):
     return wrapper
 
 
+GENERATE_HELP = {
+    "depth": f"MTP draft depth 1-{MAX_DEPTH} (0: adaptive). Needs a checkpoint with an MTP head.",
+    "off": "Decode without the MTP head even if the checkpoint has one.",
+    "lookup": "Draft from the context too (prompt lookup), also on a model without an MTP head. Default: on with a "
+              "head, off without.",
+    "no_lookup": "Draft from the MTP head only.",
+}
+
+
 class _SetCLI(argparse.Action):
     """Store the option's value (or ``const`` for a flag) in the namespace and in the command line's MTP options
-    (``options.set_command_line``)."""
+    (``options.set_command_line``); warn once when ``--no-mtp`` makes another MTP flag moot (``conflict``); ``server``:
+    the parser is a server's."""
+
+    def __init__(self, *args, server: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.server = server
 
     def __call__(self, parser, namespace, values, option_string=None):
         value = self.const if self.nargs == 0 else values
         setattr(namespace, self.dest, value)
         values = {f.name: getattr(command_line(), f.name) for f in dataclasses.fields(MTPOptions)}
         set_command_line(**{**values, self.dest: value})
+        problem = conflict(command_line(), self.server)
+        if problem and not getattr(namespace, "mtp_conflict_told", False):
+            namespace.mtp_conflict_told = True
+            print(f"mtp_plugin: {problem}", file=sys.stderr)
 
 
-def add_mtp_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--mtp-depth N``, ``--no-mtp``, ``--mtp-lookup`` and ``--no-mtp-lookup`` to a runtime's parser; parsing them
-    sets the command line's MTP options."""
+def conflict(options: MTPOptions, server: bool) -> str | None:
+    """Why the command line's ``options`` contradict each other (``--no-mtp`` beside a depth or ``--mtp-lookup``), or
+    None; a ``server`` still applies them to requests that ask for MTP."""
+    moot = [f"--mtp-depth {options.depth}"] * bool(options.depth) + ["--mtp-lookup"] * (options.lookup is True)
+    if options.enabled or not moot:
+        return None
+    flags, one = " and ".join(moot), len(moot) == 1
+    if server:
+        return (f"--no-mtp serves requests without MTP: {flags} {'applies' if one else 'apply'} only to requests that "
+                'ask for it ("enable_mtp": true)')
+    return f"--no-mtp decodes without MTP: {flags} {'has' if one else 'have'} no effect"
+
+
+def add_mtp_arguments(parser, helps: dict = GENERATE_HELP, server: bool = False) -> None:
+    """Add ``--mtp-depth N``, ``--no-mtp``, ``--mtp-lookup`` and ``--no-mtp-lookup`` to a runtime's parser (or an
+    argument group of it), with ``helps`` (keys ``depth``, ``off``, ``lookup``, ``no_lookup``); parsing them sets the
+    command line's MTP options; ``server``: a server's parser (``conflict``)."""
     parser.add_argument("--mtp-depth", dest="depth", type=int, default=0, action=_SetCLI, metavar="N",
-                        choices=range(MAX_DEPTH + 1),
-                        help=f"MTP draft depth 1-{MAX_DEPTH} (0: adaptive). Needs a checkpoint with an MTP head.")
+                        choices=range(MAX_DEPTH + 1), help=helps["depth"], server=server)
     parser.add_argument("--no-mtp", dest="enabled", action=_SetCLI, nargs=0, const=False, default=True,
-                        help="Decode without the MTP head even if the checkpoint has one.")
+                        help=helps["off"], server=server)
     parser.add_argument("--mtp-lookup", dest="lookup", action=_SetCLI, nargs=0, const=True, default=None,
-                        help="Draft from the context too (prompt lookup), also on a model without an MTP head. "
-                             "Default: on with a head, off without.")
+                        help=helps["lookup"], server=server)
     parser.add_argument("--no-mtp-lookup", dest="lookup", action=_SetCLI, nargs=0, const=False, default=None,
-                        help="Draft from the MTP head only.")
+                        help=helps["no_lookup"], server=server)
 
 
 def add_cli_flags(setup_arg_parser):

@@ -8,12 +8,11 @@ import argparse
 import functools
 import importlib
 import json
-import sys
 import threading
 from dataclasses import dataclass
 
 from mtp_plugin.decoding.grammar import GrammarError, GrammarProcessor, response_format_grammar, tokenizer_of
-from mtp_plugin.decoding.options import MTPOptions, resolve, set_command_line
+from mtp_plugin.decoding.options import MTPOptions, resolve
 from mtp_plugin.decoding.single import MAX_DEPTH
 from mtp_plugin.decoding.stats import MTPStats
 
@@ -25,6 +24,7 @@ from .mlx_lm_batching import (
     log_summary,
     start_generation,
 )
+from .mlx_lm_decoding import add_mtp_arguments
 
 PLUGIN_NAMES = ("mtp",)
 SERVING = "mtp_serving"  # set on the server's own LRUPromptCache (``serving_cache``)
@@ -93,28 +93,29 @@ SERVER_HELP = {  # mlx-lm's server decodes with MTP by default
 }
 
 
-def strip_cli_flags(main, prog: str = "mlx_lm.server", helps: dict = SERVER_HELP):
-    """Wrap a server's ``main`` (``mlx_lm.server``, ``mlx_vlm.server``): consume ``--plugin``, ``--mtp-depth``,
-    ``--no-mtp`` and ``--[no-]mtp-lookup`` from ``sys.argv`` (``options.set_command_line``); ``-h`` lists them, with
-    ``helps`` (keys ``plugin``, ``depth``, ``off``, ``lookup``, ``no_lookup``), before the server's own options."""
+def with_mtp_flags(main, helps: dict = SERVER_HELP):
+    """Wrap a server's ``main`` (``mlx_lm.server``, ``mlx_vlm.server``): the parser it builds and parses first gets an
+    "MTP" group (``--plugin``, and ``add_mtp_arguments``' flags with ``helps``, keys ``plugin``, ``depth``, ``off``,
+    ``lookup``, ``no_lookup``) just before parsing, so ``--help`` prints one usage block and the flags set the
+    command line's options (``options.set_command_line``)."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
-        parser = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False)
-        parser.add_argument("--plugin", action="append", choices=PLUGIN_NAMES, default=[], help=helps["plugin"])
-        parser.add_argument("--mtp-depth", type=int, default=0, choices=range(MAX_DEPTH + 1), metavar="N",
-                            help=helps["depth"])
-        parser.add_argument("--no-mtp", action="store_true", help=helps["off"])
-        parser.add_argument("--mtp-lookup", dest="lookup", action="store_const", const=True, help=helps["lookup"])
-        parser.add_argument("--no-mtp-lookup", dest="lookup", action="store_const", const=False,
-                            help=helps["no_lookup"])
-        ours, rest = parser.parse_known_args(sys.argv[1:])
-        if "-h" in rest or "--help" in rest:
-            parser.print_help()
-            print()
-        set_command_line(depth=ours.mtp_depth, enabled=not ours.no_mtp, lookup=ours.lookup)
-        sys.argv[1:] = rest
-        return main(*args, **kwargs)
+        parse_args = argparse.ArgumentParser.parse_args
+
+        def with_group(parser, *a, **k):
+            argparse.ArgumentParser.parse_args = parse_args  # the server's own parser only
+            group = parser.add_argument_group("MTP (mtp_plugin)")
+            group.add_argument("--plugin", action="append", choices=PLUGIN_NAMES, default=[], help=helps["plugin"])
+            add_mtp_arguments(group, helps, server=True)
+            return parse_args(parser, *a, **k)
+
+        argparse.ArgumentParser.parse_args = with_group
+        try:
+            return main(*args, **kwargs)
+        finally:
+            if argparse.ArgumentParser.parse_args is with_group:  # main ended before parsing
+                argparse.ArgumentParser.parse_args = parse_args
 
     return wrapper
 
@@ -319,7 +320,7 @@ def report_counters(make_response):
 
 def patch_server(patches, server) -> None:
     """Install the server wrappers on the imported ``mlx_lm.server`` module."""
-    patches.wrap(server, "main", strip_cli_flags)
+    patches.wrap(server, "main", with_mtp_flags)
     patches.wrap(server, "stream_generate", pass_options)
     patches.wrap(server.APIHandler, "do_POST", answer_bad_options)
     patches.wrap(server.LRUPromptCache, "fetch_nearest_cache", keep_a_token_to_run)

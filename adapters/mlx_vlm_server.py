@@ -16,7 +16,7 @@ from mtp_plugin.decoding.single import MAX_DEPTH
 from .capture import rollback_ready
 from .mlx_lm_batching import BatchingModel
 from .mlx_lm_sampling import SAMPLINGS
-from .mlx_lm_server import MTPRequest, MTPRequestError, parse_request, strip_cli_flags
+from .mlx_lm_server import MTPRequest, MTPRequestError, parse_request, with_mtp_flags
 from .mlx_vlm_batching import batching_context, capture_prompt_step, start_generation
 from .mlx_vlm_decoding import KV_CACHE_OPTIONS
 from .mlx_vlm_sampling import server_sampling
@@ -245,7 +245,7 @@ def portable(processor):
 def patch_server(patches, captured: dict[str, bool]) -> None:
     """Install the server wrappers on the imported ``mlx_vlm.server.generation`` and ``request_normalization``."""
     server = importlib.import_module("mlx_vlm.server")
-    patches.wrap(server, "main", functools.partial(strip_cli_flags, prog="mlx_vlm.server", helps=SERVER_HELP))
+    patches.wrap(server, "main", functools.partial(with_mtp_flags, helps=SERVER_HELP))
     generation = importlib.import_module("mlx_vlm.server.generation")
     normalization = importlib.import_module("mlx_vlm.server.request_normalization")
     patches.wrap(normalization, "_build_gen_args", read_request_options)

@@ -4,7 +4,7 @@
 
 Loads the 4-bit conversion (trunk) with its sidecar head through plain ``mlx_lm.load``, generates
 greedily with the head drafting and the trunk verifying, prints mlx-lm's figures plus the MTP line,
-then generates again without MTP and reports whether the texts are identical.
+then generates again without MTP and reports whether the texts are identical (exit 1 if not).
 """
 
 import argparse
@@ -33,6 +33,8 @@ def main() -> None:
     text = generate(model, tokenizer, PROMPT, max_tokens=args.max_tokens, verbose=True, mtp_depth=args.depth)
     plain = generate(model, tokenizer, PROMPT, max_tokens=args.max_tokens, enable_mtp=False)
     print(f"lossless: MTP text {'==' if text == plain else '!='} plain decoding text")
+    if text != plain:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers.builders import build_head, build_model, config_for, save_checkpoint, trunk_weights
 from mlx_lm import load
 
 import mtp_plugin
@@ -104,6 +105,34 @@ def test_graft_refuses_mismatch_unless_forced(tmp_path, recipient, field, change
     assert not (tmp_path / "out").exists()
     summary = graft(recipient, donor, tmp_path / "forced", force=True)
     assert any(field in line for line in summary["overridden"])
+
+
+def test_a_donor_of_another_size_is_refused_in_one_line(tmp_path, recipient, capsys):
+    """The cause (the sizes) leads, in one line without advice to re-extract; ``--verbose`` lists the tensors."""
+    model_config = config_for("qwen3_5")  # hidden size 64: the bundled model's is 128
+    model = build_model(model_config)
+    donor = save_checkpoint(tmp_path / "donor64", model_config, trunk_weights(model), build_head(model, model_config))
+    argv = ["graft", "--recipient", str(recipient), "--donor", str(donor), "--out", str(tmp_path / "out")]
+    assert main(argv) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mtp-plugin: the donor's head is for a model of another size "
+                                                   "(hidden_size: recipient 128 vs donor 64;"), lines
+    assert "re-extract" not in lines[0] and "--verbose lists the 15 tensors" in lines[0]
+    assert main([*argv, "--verbose"]) == 1
+    listed = capsys.readouterr().err.splitlines()[1:]
+    assert len(listed) == 15 and all("mtp." in line for line in listed)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("bits,told", [(4, False), (8, True), (16, True)])
+def test_a_quantized_donor_head_is_kept_and_said_so(tmp_path, recipient, capsys, bits, told):
+    """The bundled conversion's head is int4/g64: ``--bits`` other than that keeps it, with a line saying so."""
+    out = tmp_path / "out"
+    assert main(["graft", "--recipient", str(recipient), "--donor", str(MLX4), "--out", str(out),
+                 "--bits", str(bits)]) == 0
+    err = capsys.readouterr().err
+    assert ("already quantized (int4/g64): kept as it is, not --bits" in err) is told, err
+    assert mx.load(str(out / "mtp.safetensors"))["mtp.fc.weight"].dtype == mx.uint32  # still int4
 
 
 def test_extract_quantizes_with_mlx(tmp_path):

@@ -25,7 +25,7 @@ import pytest
 from helpers.console_runs import BIN, REPO, environment
 
 CHECKPOINT = "examples/tiny-qwen3_5"
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
@@ -185,7 +185,7 @@ def test_relative_links_resolve(page):
 
 def test_every_page_is_reached_from_the_readme():
     readme = (REPO / "README.md").read_text()
-    assert [p.name for p in PAGES[1:] if f"(docs/{p.name}" not in readme] == []
+    assert [p.name for p in PAGES[1:] if f"({p.relative_to(REPO)}" not in readme] == []
 
 
 def test_the_checks_can_fail(tmp_path):

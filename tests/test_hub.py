@@ -225,7 +225,8 @@ def test_offline_a_whole_checkpoint_in_the_cache_serves(hub, home, tmp_path, loc
 def test_a_revision_the_repo_lacks_names_it(hub, home, tmp_path, local_recipient):
     out = cli(hub, home, "graft", "--recipient", local_recipient, "--donor", DONOR, "--revision", "v9", "--out",
               tmp_path / "grafted")
-    assert out.returncode == 1 and f"{DONOR} at revision v9: cannot fetch config.json" in out.stderr, out.stderr
+    assert out.returncode == 1 and f"{DONOR}: no such directory (" in out.stderr
+    assert "as a Hub repo id at revision v9: cannot fetch config.json" in out.stderr, out.stderr
     assert f"hf download {DONOR} --revision v9" in out.stderr and not (tmp_path / "grafted").exists()
 
 
@@ -235,9 +236,22 @@ def test_a_path_like_donor_stays_a_path(hub, home, tmp_path, local_recipient, do
     assert out.returncode == 2 and "no such file or directory" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("argument", ["--recipient", "--donor"])
+def test_a_mistyped_relative_path_says_no_such_directory_first(hub, home, tmp_path, local_recipient, argument):
+    """``work/headles`` (a typo of a path whose first folder is not here either) reads as a Hub repo id; the Hub has
+    no such repository, so the one line says first that there is no such directory, then what the Hub answered."""
+    given = {"--recipient": local_recipient, "--donor": DONOR, argument: "work/headles"}
+    out = cli(hub, home, "graft", *[x for pair in given.items() for x in pair], "--out", tmp_path / "grafted")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"mtp-plugin: work/headles: no such directory ({tempfile.gettempdir()}/work/headles), "
+                               "and as a Hub repo id: cannot fetch "), lines
+    assert "check the path, or the repo id" in lines[0] and not (tmp_path / "grafted").exists()
+
+
 @pytest.mark.parametrize("repo,says", [(HEADLESS, f"{HEADLESS}: no MTP head tensors"),
                                        (MISSHAPEN, "the donor's head would not load"),
-                                       ("tests/absent", "tests/absent: cannot fetch config.json (and it is no local")])
+                                       ("tests/absent", "tests/absent: no such directory (")])
 def test_a_repo_that_cannot_give_a_head_writes_nothing(hub, home, tmp_path, local_recipient, repo, says):
     out = cli(hub, home, "graft", "--recipient", local_recipient, "--donor", repo, "--out", tmp_path / "grafted")
     assert out.returncode == 1, out.stderr

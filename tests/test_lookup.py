@@ -2,6 +2,7 @@
 and greedy output identical to plain decoding in mlx-lm (sampling: ``test_sampling.py``)."""
 
 import importlib
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -155,11 +156,24 @@ def test_headless_greedy_identical_and_cache_as_plain(headless):
     assert stats.summary().startswith("MTP lookup: drafted=")
     tokens(headless, RANDOM_PROMPT[:3], max_tokens=2, mtp_lookup=FORCED)  # nothing to match: plain steps only
     summary = headless.mtp_lookup_stats.summary()
-    assert summary == "MTP lookup: drafted=0 accepted=0 cycles=0 plain=1", summary
+    assert summary == ("MTP lookup: drafted=0 accepted=0 cycles=0 plain=1 (the context never repeated what was being "
+                       "generated: no lookup draft to verify)"), summary
     for stop in (3, 11):
         plain_cache, lookup_cache = caches_after_close(headless, RANDOM_PROMPT, stop, mtp_lookup=FORCED)
         for a, b in zip(plain_cache, lookup_cache, strict=True):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="off the CPU a verify pass costs little: drafts pay")
+def test_a_lookup_that_drafts_nothing_says_why(tmp_path):
+    """The bundled 4-bit conversion without its head, on a prompt whose continuation repeats it: on a CPU the cost
+    model prices a pass of two 4-bit positions at two steps, so every lookup draft is declined, and the line says so."""
+    shutil.copytree(MLX4, tmp_path / "headless", ignore=shutil.ignore_patterns("mtp.safetensors"))
+    model, tokenizer = load(str(tmp_path / "headless"))
+    tokens(model, tokenizer.encode(EDIT_PROMPT), max_tokens=24, mtp_lookup=True)
+    summary = model.mtp_lookup_stats.summary()
+    assert " cycles=0 plain=23 (" in summary and model.mtp_lookup_stats.lookup_declined > 0, summary
+    assert "lookup drafts declined as not worth a verify pass: one draft costs 2.00 plain steps here" in summary
 
 
 def test_headless_decodes_stock_unless_asked(headless):

@@ -18,7 +18,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from mtp_plugin import tuning
 from mtp_plugin.commands import measure
-from mtp_plugin.commands.bench import bench, efficiency, render
+from mtp_plugin.commands.bench import _row, bench, efficiency, notes, render
 from mtp_plugin.commands.cli import main
 from mtp_plugin.commands.tune import token_counts
 from mtp_plugin.head import draft_vocab
@@ -114,10 +114,16 @@ def test_each_temperature_keeps_its_own_controller(model_dir):
 
 
 def test_efficiency_from_measured_parts():
-    rows = [{"name": "plain", "speedup": 1.0}, {"name": "depth 2", "speedup": 1.5, "tokens_per_cycle": 2.4}]
+    rows = [{"name": "plain", "speedup": 1.0, "tokens_per_second": 10.0},
+            {"name": "depth 2", "speedup": 1.5, "tokens_per_cycle": 2.4, "tokens_per_second": 15.0}]
     efficiency(rows, {"plain": 0.010, "verify": {3: 0.012}, "draft": {2: 0.004}})
     assert rows[1]["ideal"] == pytest.approx(2.4 / 1.6) and rows[1]["efficiency"] == pytest.approx(1.5 / 1.5)
     assert "ideal" not in rows[0]
+    assert notes(128, rows) == [] and "*" not in _row(rows[1])
+    rows[1]["speedup"] = 1.8  # beyond the ideal
+    efficiency(rows, {"plain": 0.010, "verify": {3: 0.012}, "draft": {2: 0.004}})
+    assert notes(128, rows)[0].startswith("* an efficiency above 1") and "1.200*" in _row(rows[1])
+    assert len(notes(2, rows)) == 2 and notes(2, rows)[0].startswith("--max-tokens 2 is below 32")
 
 
 def test_candidates_take_every_place_in_the_order_alike():
@@ -165,6 +171,7 @@ def test_bench_report(model_dir, capsys):
     assert "a plain step's graph" in text and f"prompts of {report['prompt_tokens'][0]}," in text
     assert "rollback at depth 1 (auto takes capture here): capture" in text and "of capture)" in text
     assert "draft vocabulary of 256 tokens (none tuned: cost only)" in text and "plain decoding's own loop" in text
+    assert "\nnote: --max-tokens 6 is below 32: so few tokens" in text
 
 
 def test_long_context_prompts(model_dir, capsys):
@@ -192,6 +199,9 @@ def test_vocab_text_token_counts():
 
 def test_bad_arguments(model_dir, capsys):
     assert main(["bench", str(model_dir / "missing")]) == 2
+    capsys.readouterr()
+    assert main(["bench", str(model_dir), "--max-tokens", "4", "--prompt-tokens", "-1"]) == 2  # told before anything
+    assert capsys.readouterr().err.startswith("mtp-plugin bench: --max-tokens 4 is below 32")
     with pytest.raises(SystemExit, match="2"):
         main(["tune", str(model_dir), "--depths", "9"])
     assert "argument --depths: must be 1-8, got 9" in capsys.readouterr().err

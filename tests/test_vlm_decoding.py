@@ -239,6 +239,18 @@ def test_lookup_drafts_after_an_image_greedy_identical_to_stock(trained_vlm_mode
     assert stats.lookup_accepted > 0 and stats.emitted + stats.plain + stats.lookup_emitted == len(plain) - 1
 
 
+def test_the_bundled_template_renders_mlx_vlms_list_of_parts():
+    """``python -m mlx_vlm generate`` sends the prompt as a list of parts: the bundled conversion's chat template
+    renders their text, as it renders a string (not the list's Python text)."""
+    from mlx_vlm import load as vlm_load
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import load_config
+
+    _, processor = vlm_load(str(TINY / "mlx-4bit"))
+    prompt = apply_chat_template(processor, load_config(TINY / "mlx-4bit"), "def f(x):", num_images=0)
+    assert prompt == "<|im_start|>user\ndef f(x):<|im_end|>\n<|im_start|>assistant\n", prompt
+
+
 @pytest.mark.parametrize("text", ["def read_config(path):\n", "class Parser:\n", "def parse(text):\n"])
 def test_prompt_passes_split_as_mlx_vlms(trained_vlm_model, text):
     """The prompt runs in mlx-vlm's own passes: on 0.6 one pass when it is not chunked (its GatedDeltaNet scans a

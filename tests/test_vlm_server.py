@@ -7,7 +7,6 @@ import importlib.util
 import json
 import logging
 import shutil
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -342,12 +341,6 @@ def test_concurrent_requests_as_alone(servers):
         assert [text for text, _ in together] == alone
         if COUNTERS:
             assert all(timings.get("draft_n") is not None for _, timings in together)
-
-
-def test_help_lists_the_mtp_flags():
-    out = subprocess.run([sys.executable, "-m", "mlx_vlm.server", "--help"], capture_output=True, text=True,
-                         timeout=300, check=True, env=environment()).stdout
-    assert "--mtp-depth N" in out and "--no-mtp" in out and "--max-tokens" in out  # ours, then mlx-vlm's own
 
 
 @pytest.mark.skipif(not COUNTERS, reason=NO_COUNTERS)

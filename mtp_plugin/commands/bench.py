@@ -23,6 +23,15 @@ from . import measure
 from .tune import check_measure_options, load, summarise
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+MEASURABLE = 32  # tokens per prompt below which a speed measures start-up and a few cycles, not decoding
+
+
+def few_tokens(max_tokens: int) -> str | None:
+    """The warning for ``max_tokens`` below ``MEASURABLE``, else None."""
+    if max_tokens >= MEASURABLE:
+        return None
+    return (f"--max-tokens {max_tokens} is below {MEASURABLE}: so few tokens per prompt measure start-up and a handful "
+            "of cycles, not decoding; speeds, speedups and efficiencies are noise (the default is 128)")
 
 
 class ReferenceDecoder(Protocol):
@@ -66,6 +75,22 @@ def efficiency(rows: list[dict], costs: dict, draft: str = "draft") -> None:
             row["efficiency"] = row["speedup"] / row["ideal"] if row["ideal"] else None  # no cycle ran
 
 
+def notes(max_tokens: int, rows: list[dict]) -> list[str]:
+    """What makes a report's figures unreliable, a line each: too few tokens (``few_tokens``), an efficiency above 1
+    (marked ``*`` in its row)."""
+    out = [few_tokens(max_tokens)] if few_tokens(max_tokens) else []
+    if any(_above_ideal(r) for r in rows):
+        out.append("* an efficiency above 1: the run beat the ideal its measured costs predict, which only noise or "
+                   "costs that moved between their measurement and the run explain; measure longer (--max-tokens, "
+                   "--repeats)")
+    return out
+
+
+def _above_ideal(row: dict) -> bool:
+    """Whether ``row``'s efficiency, as printed (3 decimals), exceeds 1."""
+    return round(row.get("efficiency") or 0, 3) > 1
+
+
 def _reference(decoder: ReferenceDecoder, prompts, depths: int, max_tokens: int, repeats: int) -> dict | str:
     """The reference's rows, or one line saying why it failed (another runtime's failure is never raised)."""
     candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}}
@@ -95,7 +120,8 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
         "verify": {k: t_verify(k)/t(1)}, "draft": {d: t_draft(d)/t(1)}, "host": {d: seconds building a cycle's graph;
         0: a plain step's}, "layers": N, "draft_subset", "subset_size" (only for a trunk that can project onto a
         subset), "subset_tuned"},
-        "rollback": ``measure.rollback_ways`` at the best fixed depth, "references": [rows or a reason], ...}``.
+        "rollback": ``measure.rollback_ways`` at the best fixed depth, "references": [rows or a reason], "notes":
+        [what makes the figures unreliable: too few tokens (``MEASURABLE``), an efficiency above 1], ...}``.
 
     Raises:
         UsageError: ``depths``, ``max_tokens`` or ``repeats`` out of range (``usage.RANGES``), an unknown dtype, or a
@@ -132,7 +158,8 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
     references = [decoder if isinstance(decoder, str) else _reference(decoder, prompts, depths, max_tokens, repeats)
                   for item in others for decoder in item]
     t1 = costs["plain"]
-    return {"candidates": rows, "references": references, "dtype": dtype, "adaptive": adaptive, "rollback": ways,
+    return {"candidates": rows, "references": references, "notes": notes(max_tokens, rows), "dtype": dtype,
+            "adaptive": adaptive, "rollback": ways,
             "prompt_tokens": [len(p) for p in prompts],
             "adaptive_start": tuning.start_depth(Path(model_dir), DEFAULT_DEPTH, MAX_DEPTH),
             "adaptive_tuned": tuning.recorded_depth(Path(model_dir)) is not None,
@@ -191,7 +218,7 @@ def render(report: dict) -> str:
         lines.append(f"{ref['name']} (speedup vs its own plain decoding; its plain vs the plain above: "
                      f"x{ratio:.3f}, measured at another time):")
         lines += ["  " + _row(r) for r in ref["candidates"]]
-    return "\n".join(lines)
+    return "\n".join(lines + [f"note: {n}" for n in report["notes"]])
 
 
 def _adaptive_lines(adaptive: dict, t1: float) -> list[str]:
@@ -229,6 +256,7 @@ def _row(r: dict) -> str:
         return (format(r[key], fmt) if r.get(key) is not None else "-").rjust(width)
 
     acceptance = " ".join(f"{p:.2f}" for p in r["acceptance_by_depth"]) if r.get("acceptance_by_depth") else "-"
+    above = "*" if _above_ideal(r) else " "  # explained by a note
     return (f"{r['name']:<10} {r['tokens_per_second']:>8.1f} {r['speedup']:>8.3f} "
             f"{num('tokens_per_cycle', '.2f', 9)} {num('passes_per_token', '.3f', 10)} {num('ideal', '.3f', 6)} "
-            f"{num('efficiency', '.3f', 6)}  {acceptance}")
+            f"{num('efficiency', '.3f', 6)}{above} {acceptance}")

@@ -53,9 +53,14 @@ def _graft(args) -> int:
     from .graft import graft
 
     summary = graft(args.recipient, args.donor, args.out, args.layout, args.force, args.bits, args.group_size,
-                    args.revision)
+                    args.revision, args.verbose)
     for line in summary["overridden"]:
         print(f"--force overrode: {line}", file=sys.stderr)
+    if summary["kept"]:
+        print(f"mtp-plugin: the donor's head is already quantized ({', '.join(summary['kept'])}): kept as it is, not "
+              f"--bits {args.bits} --group-size {args.group_size} (quantizing again cannot restore what it lost; for "
+              "another quantization, graft from a float head: its original checkpoint or `mtp-plugin extract`)",
+              file=sys.stderr)
     linked, copied = summary["linked"], summary["copied"]
     if not copied:
         recipient = "recipient files hard-linked"
@@ -146,8 +151,10 @@ def _tune_row(r: dict) -> None:
 
 
 def _bench(args) -> int:
-    from .bench import bench, render
+    from .bench import bench, few_tokens, render
 
+    if few_tokens(args.max_tokens):
+        print(f"mtp-plugin bench: {few_tokens(args.max_tokens)}", file=sys.stderr)
     report = bench(args.model_dir, args.depths, args.max_tokens, args.repeats, args.dtype, args.prompt_tokens,
                    not args.no_references)
     print(json.dumps(report, indent=2) if args.json else render(report))
@@ -225,6 +232,7 @@ def parser() -> argparse.ArgumentParser:
                        help="runtime layout of the head file")
     _quantization_options(graft)
     graft.add_argument("--force", action="store_true", help="graft despite config/quantization mismatches")
+    graft.add_argument("--verbose", action="store_true", help="a refusal lists each head tensor that does not fit")
 
     extract = _command(sub, "extract", _extract, "take the head out of an original Hugging Face checkpoint "
                        "(writes only --out)", "hf")

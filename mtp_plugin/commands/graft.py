@@ -14,8 +14,14 @@ from ..files import check_new_output, user_mode
 from ..head.conventions import Contract
 from ..hub.fetch import head_checkpoint, is_repo_id, model_checkpoint
 from ..loading.checkpoint import INDEX, CheckpointError, HeadLocation, HeadTensor, find_head, read_config, read_index
-from ..loading.fit import head_config, mismatches
-from ..loading.headfile import head_metadata, quantization_labels, quantize_head, write_atomically
+from ..loading.fit import FIELDS, head_config, mismatches
+from ..loading.headfile import (
+    head_metadata,
+    kept_quantization,
+    quantization_labels,
+    quantize_head,
+    write_atomically,
+)
 from ..loading.validation import expected_head, validate
 from ..plugins import hook
 from ..usage import DEFAULT_BITS, DEFAULT_GROUP_SIZE, UsageError, check_quantization
@@ -62,7 +68,8 @@ def donor_location(donor: Path, model_type: str) -> HeadLocation:
 
 
 def graft(recipient: Path | str, donor: Path | str, out: Path, layout: str = "mlx-lm", force: bool = False,
-          bits: int = DEFAULT_BITS, group_size: int = DEFAULT_GROUP_SIZE, revision: str | None = None) -> dict:
+          bits: int = DEFAULT_BITS, group_size: int = DEFAULT_GROUP_SIZE, revision: str | None = None,
+          verbose: bool = False) -> dict:
     """Build new directory ``out``: ``recipient``'s files (hard links, else copies) plus ``donor``'s head in
     ``layout``, atomically (a temporary ``.NAME.*`` directory, renamed; removed on failure, and on SIGTERM/SIGHUP
     under ``files.terminating_cleanly``).
@@ -70,10 +77,13 @@ def graft(recipient: Path | str, donor: Path | str, out: Path, layout: str = "ml
     Args:
         recipient: a model directory or Hub repo id.
         donor: a checkpoint directory, head file or Hub repo id (only the head's bytes are fetched, at ``revision``).
-        bits, group_size: the head's quantization (``loading.headfile.quantize_head``; 16 keeps bfloat16).
+        bits, group_size: the head's quantization (``loading.headfile.quantize_head``; 16 keeps bfloat16); a donor
+            head already quantized otherwise keeps its own (``kept``).
+        verbose: a refusal for a head of another model size lists every tensor that does not fit.
 
     Returns:
-        Summary: layout, head file, tensors, head bytes, overridden mismatches, files linked and copied.
+        Summary: layout, head file, tensors, head bytes, overridden mismatches, files linked and copied, and ``kept``:
+        the donor's quantizations (``int4/g64``) kept instead of ``bits``/``group_size``.
 
     Raises:
         UsageError: unknown layout, bits or group size; ``out`` exists, lies inside an input or its parent is
@@ -111,10 +121,10 @@ def graft(recipient: Path | str, donor: Path | str, out: Path, layout: str = "ml
     problems = mismatches(config, donor_config)
     validation = validate(source, expected_head(config, recipient / "config.json"))
     if validation.problems:
-        raise GraftRefused(f"the donor's head would not load into {recipient} (--force cannot override this):\n  "
-                           + "\n  ".join(validation.problems + [f"donor vs recipient: {p}" for p in problems]))
+        raise GraftRefused(_would_not_load(recipient, validation.problems, problems, verbose))
     _refuse_mismatches(problems, force)
     weights = quantize_head(validation.weights, bits, group_size, validation.in_features)
+    kept = kept_quantization(validation.quantization, bits, group_size)
     contract = Contract.from_metadata({**source.metadata, **source.config})
     head_file, prefix = LAYOUTS[layout]
     index = _index_to_extend(recipient, head_file, layout)
@@ -134,14 +144,28 @@ def graft(recipient: Path | str, donor: Path | str, out: Path, layout: str = "ml
         raise
     return {"out": str(out), "layout": layout, "head_file": head_file, "tensors": len(weights),
             "head_bytes": (out / head_file).stat().st_size, "overridden": problems if force else [],
-            "linked": linked, "copied": copied}
+            "linked": linked, "copied": copied, "kept": kept}
+
+
+def _would_not_load(recipient: Path, tensors: list[str], configs: list[str], verbose: bool) -> str:
+    """The refusal of a head whose ``tensors`` (``validate``'s problems) do not fit ``recipient``: led by the configs'
+    size differences (``loading.fit.mismatches``) when there are any, the tensors listed then only if ``verbose``."""
+    sizes = [p for p in configs if p.split(":")[0] in FIELDS]
+    if not sizes:
+        return (f"the donor's head would not load into {recipient} (--force cannot override this):\n  "
+                + "\n  ".join(tensors + [f"donor vs recipient: {p}" for p in configs]))
+    line = (f"the donor's head is for a model of another size ({'; '.join(sizes)}): it cannot load into {recipient}, "
+            "even with --force; graft the head of a checkpoint of the recipient's own model")
+    if verbose:
+        return line + "\n  " + "\n  ".join(tensors)
+    return line + f" (--verbose lists the {len(tensors)} tensors that do not fit)"
 
 
 def _refuse_mismatches(problems: list[str], force: bool) -> None:
     """Raise ``GraftRefused`` listing ``problems`` (``loading.fit.mismatches``), unless ``force``."""
     if problems and not force:
-        raise GraftRefused("donor head does not fit the recipient:\n  " + "\n  ".join(problems)
-                           + "\n--force overrides (acceptance will tell whether the head still works)")
+        raise GraftRefused(f"the donor's head does not fit the recipient ({'; '.join(problems)}); --force overrides "
+                           "(acceptance will tell whether the head still works)")
 
 
 def _index_to_extend(recipient: Path, head_file: str, layout: str) -> dict | None:

@@ -534,6 +534,8 @@ def generate(
         decision = plan([question], price)[0]
         if not decision.lookup:
             held = None
+            if question.proposal and not decision.drafts:
+                stats.decline_lookup(price(2), question.lookup[1])
         return decision
 
     def queue(decision: Decision | None):

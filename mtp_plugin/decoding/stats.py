@@ -17,6 +17,8 @@ class MTPStats:
         reached: per draft position k (index k-1), cycles whose drafts 1..k-1 were all accepted.
         accepted_at: per draft position k (index k-1), cycles whose draft k was accepted.
         lookup_cycles, …: the same counts for cycles that verified context drafts (not in the counts above).
+        lookup_declined: lookup drafts the scheduler found and declined for a plain step (not worth a verify pass);
+            ``lookup_price``: the last one's (cost of a pass verifying one draft in plain steps, tokens it expected).
         forced: drafts a grammar forced (counted in ``drafted`` too; the head did not choose them).
         masked: head drafts a grammar changed (the head's top token was forbidden).
         grammar_seconds: host time in the grammar (masks, forced tokens, consumption, rollback).
@@ -36,6 +38,8 @@ class MTPStats:
     lookup_drafted: int = 0
     lookup_accepted: int = 0
     lookup_emitted: int = 0
+    lookup_declined: int = 0
+    lookup_price: tuple[float, float] | None = None
     forced: int = 0
     masked: int = 0
     grammar_seconds: float = 0.0
@@ -47,6 +51,12 @@ class MTPStats:
         self.lookup_drafted += drafted
         self.lookup_accepted += accepted
         self.lookup_emitted += emitted
+
+    def decline_lookup(self, cost: float, expected: float) -> None:
+        """The scheduler took a plain step over a lookup draft: a pass verifying one draft would cost ``cost`` plain
+        steps and emit ``expected`` tokens."""
+        self.lookup_declined += 1
+        self.lookup_price = (cost, expected)
 
     def record(self, accepted: int, emitted: int, depth: int | None = None) -> None:
         """One head cycle at ``depth`` (default: the fixed ``self.depth``)."""
@@ -68,7 +78,7 @@ class MTPStats:
     def add(self, other: MTPStats) -> None:
         """Accumulate another generation's counts into this one (the depths of both are kept)."""
         for name in ("cycles", "drafted", "accepted", "emitted", "plain", "lookup_cycles", "lookup_drafted",
-                     "lookup_accepted", "lookup_emitted", "forced", "masked", "grammar_seconds"):
+                     "lookup_accepted", "lookup_emitted", "lookup_declined", "forced", "masked", "grammar_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("reached", "accepted_at"):
             mine, theirs = getattr(self, name), getattr(other, name)
@@ -102,8 +112,9 @@ class MTPStats:
         """The line ``mlx_lm.generate`` prints (``MTP: depth=… drafted=… accepted=… …``); an adaptive generation
         says ``depth=auto`` and adds its cycles per depth and plain tokens."""
         if self.headless:
-            return (f"MTP lookup: drafted={self.lookup_drafted} accepted={self.lookup_accepted} "
+            line = (f"MTP lookup: drafted={self.lookup_drafted} accepted={self.lookup_accepted} "
                     f"cycles={self.lookup_cycles} plain={self.plain}")
+            return line + self._why_no_lookup() if not self.lookup_cycles and self.plain else line
         line = (f"MTP: depth={self.depth or 'auto'} drafted={self.drafted} accepted={self.accepted} "
                 f"acceptance={self.acceptance:.3f} tokens/cycle={self.tokens_per_cycle:.2f}")
         if self.depth is None:
@@ -115,3 +126,13 @@ class MTPStats:
         if self.forced or self.masked:
             line += f" grammar: forced={self.forced} masked={self.masked}"
         return line
+
+    def _why_no_lookup(self) -> str:
+        """Why a generation verified no lookup draft, for its summary."""
+        if not self.lookup_declined:
+            return " (the context never repeated what was being generated: no lookup draft to verify)"
+        cost, expected = self.lookup_price
+        return (f" ({self.lookup_declined} lookup drafts declined as not worth a verify pass: one draft costs "
+                f"{cost:.2f} plain steps here for {expected:.2f} expected tokens; MLX on a CPU prices each added "
+                "position of quantized or float32 weights near a whole step, bf16 weights, a GPU or Apple silicon far "
+                "less: docs/scheduling.md)")

@@ -117,7 +117,7 @@ def head_checkpoint(repo_id: str, revision: str | None = None, check_config=None
     try:
         config_file = Path(hf_hub_download(repo_id, "config.json", revision=revision))
     except Exception as e:  # noqa: BLE001 - huggingface_hub raises many kinds; all mean the same here
-        raise HubError(_unreachable(repo_id, revision, "config.json (and it is no local path)", e)) from e
+        raise HubError(_unreachable(repo_id, revision, "config.json", e, first=True)) from e
     snapshot, commit = config_file.parent, config_file.parent.name
     if not re.fullmatch(r"[0-9a-f]{40}", commit):
         raise HubError(f"{where}: the Hub answered commit {commit!r}, not a commit hash; refused")
@@ -196,18 +196,22 @@ def model_checkpoint(repo_id: str) -> Path:
     try:
         path = hook().mtp_download_model(repo_id=repo_id)
     except Exception as e:  # noqa: BLE001
-        raise HubError(_unreachable(repo_id, None, "the model", e)) from e
+        raise HubError(_unreachable(repo_id, None, "the model", e, first=True)) from e
     if path is None:
         raise HubError(f"{repo_id}: no installed runtime downloads models; install mlx-lm")
     return Path(path)
 
 
-def _unreachable(repo_id: str, revision: str | None, what: str, reason) -> str:
+def _unreachable(repo_id: str, revision: str | None, what: str, reason, first: bool = False) -> str:
+    """Why Hub repository ``repo_id`` cannot serve ``what``; ``first``: its first request, so the text (a mistyped
+    relative path looks like ``OWNER/NAME``) was no local path either, which the message says first."""
     at = "" if revision is None else f" at revision {revision}"
     download = f"hf download {repo_id}" + ("" if revision is None else f" --revision {revision}")
-    return (f"{repo_id}{at}: cannot fetch {what} ({reason}); check the repo id, revision and network (or HF_TOKEN for "
-            f"a gated repo); offline, run once online or download the checkpoint (`{download}`) and pass its "
-            "directory")
+    local = f"{repo_id}: no such directory ({Path(repo_id).absolute()}), and as a Hub repo id" if first else repo_id
+    reason = " ".join(str(reason).split())  # one line: the Hub's messages span several
+    return (f"{local}{at}: cannot fetch {what} ({reason}); check the {'path, or the ' * first}repo id, revision and "
+            "network (or HF_TOKEN for a gated repo); offline, run once online or download the checkpoint "
+            f"(`{download}`) and pass its directory")
 
 
 def _remote_file(repo_id: str, commit: str, name: str, size: int | None, config: dict, sidecar: bool, where: str

@@ -70,6 +70,17 @@ def quantize_head(weights: dict, bits: int, group_size: int, linear: dict[str, i
     return out
 
 
+def kept_quantization(labels: dict[str, str], bits: int, group_size: int) -> list[str]:
+    """The quantizations (``int4/g64``) of a head's already-quantized modules (``labels``: module → label as stored)
+    that ``quantize_head`` keeps although ``bits``/``group_size`` ask for another; sorted, empty when none."""
+    kept = set()
+    for module, label in labels.items():
+        b = 8 if f"{module}.weight".endswith(ROUTERS) else bits
+        if label.startswith("int") and label != ("bf16" if bits == 16 else f"int{b}/g{group_size}"):
+            kept.add(label)
+    return sorted(kept)
+
+
 def quantization_labels(weights: dict, in_features: dict[str, int]) -> dict[str, str]:
     """Module → ``int4/g64`` / ``bf16`` label for every linear weight of a head (``in_features``' modules)."""
     labels = {}
