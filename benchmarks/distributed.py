@@ -11,7 +11,6 @@ The lockstep collective (``lockstep.Lockstep.agree``: one ``all_gather`` of 6 in
 plain step) is timed alone, 200 times, and set against a plain step.
 """
 
-import argparse
 import datetime
 import json
 import os
@@ -19,14 +18,15 @@ import statistics
 import time
 from pathlib import Path
 
+import decoding_args
 import mlx.core as mx
 from mlx_lm.utils import sharded_load
 
 from mtp_plugin import tuning
 from mtp_plugin.commands import measure
-from mtp_plugin.commands.bench import DTYPES, cast
 from mtp_plugin.commands.tune import summarise
 from mtp_plugin.decoding.lockstep import Lockstep
+from mtp_plugin.usage import int_in
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,26 +44,17 @@ def collective_seconds(group, repeats: int = 200) -> float:
 
 def main() -> None:
     """Parse arguments, load the sharded model, measure, and print (rank 0)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True)
+    parser = decoding_args.parser(__doc__, max_tokens=64, repeats=1)  # --out: written by rank 0
     parser.add_argument("--pipeline", action="store_true", help="pipeline parallel (default: tensor parallel)")
-    parser.add_argument("--dtype", default="bfloat16", choices=[*DTYPES, "none"])
-    parser.add_argument("--depths", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--out", type=Path, help="directory for the dated result file (rank 0)")
+    parser.add_argument("--depths", type=int_in("depths"), default=2)
     args = parser.parse_args()
 
     group = mx.distributed.init()
     if group.size() < 2:
         parser.exit(2, "run it under mlx.launch with at least 2 ranks\n")
     sharding = "pipeline" if args.pipeline else "tensor"
-    model, tokenizer = sharded_load(str(args.model), group if args.pipeline else None,
-                                    None if args.pipeline else group)
-    if model.mtp_head is None:
-        parser.exit(1, f"{args.model}: no usable MTP head\n")
-    if args.dtype != "none":
-        cast(model, DTYPES[args.dtype])
+    loaded = sharded_load(str(args.model), group if args.pipeline else None, None if args.pipeline else group)
+    model, tokenizer = decoding_args.with_head(parser, args, loaded)
     prompts = [tokenizer.encode(p) for p in measure.code_prompts()]
     depths = {"plain": None, **{f"depth {d}": d for d in range(1, args.depths + 1)}, "adaptive": 0}
     rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, depths, args.max_tokens,

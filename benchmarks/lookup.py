@@ -15,7 +15,6 @@ instead (mlx-lm's sampler; every candidate of a prompt and repeat from the same 
 follow the trunk's distribution, not plain decoding's draws, and are not compared.
 """
 
-import argparse
 import datetime
 import importlib
 import json
@@ -24,13 +23,13 @@ import statistics
 import time
 from pathlib import Path
 
+import decoding_args
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.sample_utils import make_sampler
 
 from mtp_plugin import tuning
 from mtp_plugin.commands import measure
-from mtp_plugin.commands.bench import DTYPES, cast
 from mtp_plugin.decoding.lookup import ContextIndex
 from mtp_plugin.decoding.stats import MTPStats
 
@@ -110,21 +109,13 @@ def table(results: dict, totals: dict) -> list[str]:
 
 def main() -> None:
     """Parse arguments, load, measure both workloads, print (and write with ``--out``)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--dtype", default="bfloat16", choices=[*DTYPES, "none"])
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = decoding_args.parser(__doc__)
     parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)")
-    parser.add_argument("--out", type=Path, help="directory for the dated result file")
     args = parser.parse_args()
-    if args.max_tokens < 2 or args.repeats < 1 or args.temperature < 0:
-        parser.error("--max-tokens must be >= 2, --repeats >= 1 and --temperature >= 0")
-    model, tokenizer = load(str(args.model))
-    if model.mtp_head is None:
-        parser.exit(1, f"{args.model}: no usable MTP head (the bench compares the head with lookup drafts)\n")
-    if args.dtype != "none":
-        cast(model, DTYPES[args.dtype])
+    if args.temperature < 0:
+        parser.error("--temperature must be >= 0")
+    model, tokenizer = decoding_args.with_head(parser, args, load(str(args.model)),
+                                               " (the bench compares the head with lookup drafts)")
     sources = measure.code_prompts()
     workloads = {"edit": [tokenizer.encode(p) for p in edit_prompts(sources)],
                  "ordinary": [tokenizer.encode(p) for p in sources]}

@@ -13,7 +13,6 @@ fastest so pooled, and ``default / depth d`` the median (and quartiles) of the t
 seed (greedy: plain decoding's tokens), whatever it drafts: a run that does not stops the benchmark.
 """
 
-import argparse
 import datetime
 import importlib
 import json
@@ -21,13 +20,13 @@ import os
 import statistics
 from pathlib import Path
 
+import decoding_args
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.sample_utils import make_sampler
 
 from mtp_plugin import tuning
 from mtp_plugin.commands import measure
-from mtp_plugin.commands.bench import DTYPES, cast
 
 REPO = Path(__file__).resolve().parents[1]
 FIXED = (1, 2, 3)
@@ -96,31 +95,22 @@ def table(results: dict) -> list[str]:
 
 def main() -> None:
     """Parse arguments, load, measure greedy and each temperature, print (and write with ``--out``)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--dtype", default="bfloat16", choices=[*DTYPES, "none"])
+    parser = decoding_args.parser(__doc__, max_tokens=96)
     parser.add_argument("--temperatures", default="0,0.7,1.0", help="comma-separated, each >= 0 (0: greedy)")
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=3, help="prompts of the code suite used")
     parser.add_argument("--candidates", default=",".join(CANDIDATES),
                         help=f"comma-separated, among: {', '.join(CANDIDATES)} (plain always runs: the reference)")
-    parser.add_argument("--out", type=Path, help="directory for the dated result file")
     args = parser.parse_args()
     try:
         temperatures = [float(t) for t in args.temperatures.split(",")]
     except ValueError:
         parser.error(f"--temperatures: not numbers: {args.temperatures}")
     chosen = ["plain", *(name for name in args.candidates.split(",") if name != "plain")]
-    if args.max_tokens < 2 or args.repeats < 1 or args.prompts < 1 or min(temperatures) < 0:
-        parser.error("--max-tokens must be >= 2, --repeats >= 1, --prompts >= 1 and every temperature >= 0")
+    if args.prompts < 1 or min(temperatures) < 0:
+        parser.error("--prompts must be >= 1 and every temperature >= 0")
     if unknown := set(chosen) - set(CANDIDATES):
         parser.error(f"--candidates: unknown {', '.join(sorted(unknown))}; choose among {', '.join(CANDIDATES)}")
-    model, tokenizer = load(str(args.model))
-    if model.mtp_head is None:
-        parser.exit(1, f"{args.model}: no usable MTP head\n")
-    if args.dtype != "none":
-        cast(model, DTYPES[args.dtype])
+    model, tokenizer = decoding_args.with_head(parser, args, load(str(args.model)))
     prompts = [tokenizer.encode(p) for p in measure.code_prompts()[: args.prompts]]
     shown = os.path.relpath(args.model.resolve(), REPO)
     lines = [f"sampled decoding: model {args.model.name} ({shown}), dtype {args.dtype}, code prompts of "

@@ -13,7 +13,6 @@ figure is the median over repeats; ``vs plain`` is the median of per-repeat rati
 tokens are checked against ``plain``'s.
 """
 
-import argparse
 import datetime
 import importlib
 import json
@@ -21,12 +20,12 @@ import os
 import statistics
 from pathlib import Path
 
+import decoding_args
 import mlx.core as mx
 from mlx_lm import load
 
 from mtp_plugin import response_format_processor, tuning
 from mtp_plugin.commands import measure
-from mtp_plugin.commands.bench import DTYPES, cast
 
 REPO = Path(__file__).resolve().parents[1]
 STRING = {"type": "string", "maxLength": 40}
@@ -105,20 +104,9 @@ def table(results: dict) -> list[str]:
 
 def main() -> None:
     """Parse arguments, load, measure every schema, print (and write with ``--out``)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--dtype", default="bfloat16", choices=[*DTYPES, "none"])
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, help="directory for the dated result file")
+    parser = decoding_args.parser(__doc__)
     args = parser.parse_args()
-    if args.max_tokens < 2 or args.repeats < 1:
-        parser.error("--max-tokens must be >= 2 and --repeats >= 1")
-    model, tokenizer = load(str(args.model))
-    if model.mtp_head is None:
-        parser.exit(1, f"{args.model}: no usable MTP head\n")
-    if args.dtype != "none":
-        cast(model, DTYPES[args.dtype])
+    model, tokenizer = decoding_args.with_head(parser, args, load(str(args.model)))
     context = measure.code_prompts()[0]
     shown = os.path.relpath(args.model.resolve(), REPO)
     lines = [f"structured output: model {args.model.name} ({shown}), dtype {args.dtype}, greedy, {args.max_tokens} "
