@@ -115,8 +115,8 @@ def test_a_donor_of_another_size_is_refused_in_one_line(tmp_path, recipient, cap
     argv = ["graft", "--recipient", str(recipient), "--donor", str(donor), "--out", str(tmp_path / "out")]
     assert main(argv) == 1
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mtp-plugin: the donor's head is for a model of another size "
-                                                   "(hidden_size: recipient 128 vs donor 64;"), lines
+    assert len(lines) == 1 and lines[0].startswith(f"mtp-plugin: the donor's head ({donor}) is for a model of "
+                                                   "another size (hidden_size: recipient 128 vs donor 64;"), lines
     assert "re-extract" not in lines[0] and "--verbose lists the 15 tensors" in lines[0]
     assert main([*argv, "--verbose"]) == 1
     listed = capsys.readouterr().err.splitlines()[1:]

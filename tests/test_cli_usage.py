@@ -4,6 +4,8 @@ ranges; long commands show progress on stderr. Each case on a copy of the bundle
 import json
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,7 +66,9 @@ def test_commands_on_a_directory_without_a_model(tmp_path, capsys, command, dire
     if directory == "empty":
         path.mkdir()
     assert exit_code(model_args(command, path, tmp_path)) == 2
-    assert "pass a model directory" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pass a model directory" in err
+    assert ("no config.json" if directory == "empty" else "no such directory") in err, err
     assert not (tmp_path / "out").exists() and not (tmp_path / "head.safetensors").exists()
 
 
@@ -195,3 +199,13 @@ def test_tune_shows_progress_phases(tmp_path, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert "tune: warm-up" in captured.err and "tune: decode" in captured.err and "depth 1, run 1/1" in captured.err
     assert captured.out.startswith("{")  # progress never mixes into the JSON on stdout
+
+
+def test_a_reader_that_leaves_early_gets_no_error_line():
+    """``mtp-plugin inspect --json | head -c 1``: the closed pipe ends the command quietly (exit 1), without
+    ``[Errno 32] Broken pipe`` on stderr."""
+    command = [str(Path(sys.executable).parent / "mtp-plugin"), "inspect", str(MLX4), "--json"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()  # before the command writes anything
+    err = process.stderr.read()
+    assert process.wait(timeout=120) == 1 and "Broken pipe" not in err and "Traceback" not in err, err

@@ -172,6 +172,7 @@ def test_bench_report(model_dir, capsys):
     assert "rollback at depth 1 (auto takes capture here): capture" in text and "of capture)" in text
     assert "draft vocabulary of 256 tokens (none tuned: cost only)" in text and "plain decoding's own loop" in text
     assert "\nnote: --max-tokens 6 is below 32: so few tokens" in text
+    assert render(json.loads(json.dumps(report))) == text  # what --json wrote renders the same
 
 
 def test_long_context_prompts(model_dir, capsys):

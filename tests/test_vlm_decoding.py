@@ -242,11 +242,10 @@ def test_lookup_drafts_after_an_image_greedy_identical_to_stock(trained_vlm_mode
 def test_the_bundled_template_renders_mlx_vlms_list_of_parts():
     """``python -m mlx_vlm generate`` sends the prompt as a list of parts: the bundled conversion's chat template
     renders their text, as it renders a string (not the list's Python text)."""
-    from mlx_vlm import load as vlm_load
     from mlx_vlm.prompt_utils import apply_chat_template
-    from mlx_vlm.utils import load_config
+    from mlx_vlm.utils import load_config, load_processor
 
-    _, processor = vlm_load(str(TINY / "mlx-4bit"))
+    processor = load_processor(TINY / "mlx-4bit")  # mlx-vlm 0.6 cannot load this text-only model itself
     prompt = apply_chat_template(processor, load_config(TINY / "mlx-4bit"), "def f(x):", num_images=0)
     assert prompt == "<|im_start|>user\ndef f(x):<|im_end|>\n<|im_start|>assistant\n", prompt
 

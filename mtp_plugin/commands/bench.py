@@ -182,7 +182,8 @@ def _cost_subset(model):
 
 
 def render(report: dict) -> str:
-    """The bench report as text: one table of candidates, the cost ratios, the references."""
+    """The bench report as text: one table of candidates, the cost ratios, the references; the same for a report
+    read back from ``--json`` (whose depth keys are strings)."""
     lines = [f"prompts of {', '.join(map(str, report['prompt_tokens']))} tokens",
              f"{'candidate':<10} {'tok/s':>8} {'speedup':>8} {'tok/cycle':>9} {'passes/tok':>10} "
              f"{'ideal':>6} {'effic.':>6}  acceptance by depth"]
@@ -191,7 +192,8 @@ def render(report: dict) -> str:
     start, tuned = report["adaptive_start"], report["adaptive_tuned"]
     lines.append(f"adaptive started {'parked (plain)' if start == 0 else f'at depth {start}'} "
                  f"({'recorded by mtp-plugin tune' if tuned else 'default: no tuning record'})")
-    c = report["costs"]
+    c = {k: _depth_keys(v) if k in ("verify", "draft", "host", "draft_subset") else v
+         for k, v in report["costs"].items()}
     if report.get("adaptive"):
         lines += _adaptive_lines(report["adaptive"], c["plain_seconds"])
     lines.append(f"plain step t(1) = {c['plain_seconds'] * 1e3:.2f} ms; "
@@ -223,7 +225,7 @@ def render(report: dict) -> str:
 
 def _adaptive_lines(adaptive: dict, t1: float) -> list[str]:
     """Where the adaptive row spent its cycles (warm-up included) and the estimates it decided on, costs in t(1)."""
-    depths = adaptive["depths"]
+    depths = _depth_keys(adaptive["depths"])
 
     def name(d):
         return "plain" if d == 0 else f"d{d}"
@@ -237,6 +239,11 @@ def _adaptive_lines(adaptive: dict, t1: float) -> list[str]:
             f"{name(adaptive['choice'])}",
             f"adaptive's estimates at the end (tokens per cycle / cycle cost in t(1) = rate in tokens per t(1)): "
             f"{estimates}"]
+
+
+def _depth_keys(by_depth: dict) -> dict:
+    """``by_depth`` keyed by int depths (or pass lengths), also once JSON has made its keys strings."""
+    return {int(k): v for k, v in by_depth.items()}
 
 
 def _ways(ways: dict) -> str:

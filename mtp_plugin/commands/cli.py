@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     hub = args.model_dir_arg in HUB_ARGS
     local = not hub or not is_repo_id(value)  # a Hub repo is checked once fetched
     if local and not (directory / "config.json").is_file():
-        what = "not a directory" if not directory.is_dir() else "no config.json"
+        what = ("no such directory" if not directory.exists() else "not a directory" if not directory.is_dir()
+                else "no config.json")
         print(f"mtp-plugin: {value}: {what}; pass a model directory"
               f"{' or a Hub repo id (OWNER/NAME; --revision for a branch, tag or commit)' * hub}.", file=sys.stderr)
         return 2
@@ -306,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"mtp-plugin: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout's reader left (``| head``): end quietly, stdout pointed where flushing works
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (CheckpointError, ValueError, OSError) as e:
         print(f"mtp-plugin: {e}", file=sys.stderr)
         return 1

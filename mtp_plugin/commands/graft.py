@@ -121,7 +121,8 @@ def graft(recipient: Path | str, donor: Path | str, out: Path, layout: str = "ml
     problems = mismatches(config, donor_config)
     validation = validate(source, expected_head(config, recipient / "config.json"))
     if validation.problems:
-        raise GraftRefused(_would_not_load(recipient, validation.problems, problems, verbose))
+        declared = problems if donor.is_dir() else []  # a head file's sizes are read off the tensors listed
+        raise GraftRefused(_would_not_load(recipient, donor, validation.problems, declared, verbose))
     _refuse_mismatches(problems, force)
     weights = quantize_head(validation.weights, bits, group_size, validation.in_features)
     kept = kept_quantization(validation.quantization, bits, group_size)
@@ -147,15 +148,16 @@ def graft(recipient: Path | str, donor: Path | str, out: Path, layout: str = "ml
             "linked": linked, "copied": copied, "kept": kept}
 
 
-def _would_not_load(recipient: Path, tensors: list[str], configs: list[str], verbose: bool) -> str:
-    """The refusal of a head whose ``tensors`` (``validate``'s problems) do not fit ``recipient``: led by the configs'
-    size differences (``loading.fit.mismatches``) when there are any, the tensors listed then only if ``verbose``."""
+def _would_not_load(recipient: Path, donor: Path, tensors: list[str], configs: list[str], verbose: bool) -> str:
+    """The refusal of ``donor``'s head whose ``tensors`` (``validate``'s problems) do not fit ``recipient``: led by
+    the size differences of the two configs (``loading.fit.mismatches``) when there are any, the tensors listed then
+    only if ``verbose``."""
     sizes = [p for p in configs if p.split(":")[0] in FIELDS]
     if not sizes:
         return (f"the donor's head would not load into {recipient} (--force cannot override this):\n  "
                 + "\n  ".join(tensors + [f"donor vs recipient: {p}" for p in configs]))
-    line = (f"the donor's head is for a model of another size ({'; '.join(sizes)}): it cannot load into {recipient}, "
-            "even with --force; graft the head of a checkpoint of the recipient's own model")
+    line = (f"the donor's head ({donor}) is for a model of another size ({'; '.join(sizes)}): it cannot load into "
+            f"{recipient}, even with --force; graft the head of a checkpoint of the recipient's own model")
     if verbose:
         return line + "\n  " + "\n  ".join(tensors)
     return line + f" (--verbose lists the {len(tensors)} tensors that do not fit)"
