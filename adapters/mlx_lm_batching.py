@@ -41,7 +41,8 @@ STORED_HEADS = 32  # finished requests whose head caches are kept for requests t
 @dataclass
 class HeadRow:
     """A request's head while its prompt is processed: its KV cache, the last unpaired hidden state (``carry``), and
-    whether its cache holds the pair of every context position from the first (``whole``)."""
+    whether its cache holds the pair of every context position from the first (``whole``; a long prompt's head holds
+    its last ``drafter.HEAD_CONTEXT`` only: ``drafter.first`` > 0)."""
 
     drafter: Drafter
     carry: mx.array | None = None
@@ -60,6 +61,7 @@ class BatchContext:
     policies: dict = field(default_factory=dict)  # batch size class (B.bit_length()) -> DepthController
     options: dict = field(default_factory=dict)  # uid -> the server's MTPRequest (or None)
     heads: dict = field(default_factory=dict)  # uid -> HeadRow
+    lengths: dict = field(default_factory=dict)  # uid -> tokens its prompt passes will process (``drafter.bound``)
     store: OrderedDict = field(default_factory=OrderedDict)  # tokens -> head of a finished request (``remember``)
     lockstep: Lockstep | None = None  # a model sharded over ranks: rank 0 chooses the depth (``decoding.lockstep``)
     costs: CostTable | None = None  # the model's verify costs per batch size (``scheduler.costs_of``)
@@ -168,6 +170,7 @@ def batching_model(model) -> BatchingModel | None:
     ctx.drafter.vocab = loaded.draft_vocab
     ctx.options.clear()  # request ids restart with each generator
     ctx.heads.clear()
+    ctx.lengths.clear()
     return BatchingModel(model, ctx)
 
 
@@ -195,6 +198,7 @@ def headless_context(model) -> BatchContext | None:
         model.mtp_lookup_batching = ctx
     ctx.options.clear()
     ctx.heads.clear()
+    ctx.lengths.clear()
     return ctx
 
 
@@ -222,18 +226,20 @@ class _Capture:
         return hidden
 
     def _feed(self, hidden: mx.array) -> None:
-        """Give each row's head its valid positions of this chunk's hidden states (B, n, H)."""
-        n, states = hidden.shape[1], []
+        """Give each row's head its valid positions of this chunk's hidden states (B, n, H), the last
+        ``drafter.HEAD_CONTEXT`` pairs of its history at most. The head's work stays queued (not evaluated here):
+        the row's first token does not wait for it."""
+        n = hidden.shape[1]
         for i, uid in enumerate(self.uids):
             valid = max(0, min(n, len(self.tokens[i]) - self.done))
             if not valid:
                 continue
+            fresh = uid not in self.ctx.heads
             row = self.ctx.head_row(uid, self.prefixes[i])
+            if fresh:
+                row.drafter.bound(self.ctx.lengths.pop(uid, len(self.tokens[i])) - 1)
             chunk = mx.array(self.tokens[i][self.done : self.done + valid], dtype=mx.uint32)
             row.carry = row.drafter.prefill(row.carry, hidden[i : i + 1, :valid], chunk)
-            cache = row.drafter.cache  # empty after a first chunk of one token: mlx-lm 0.31 has no state for it
-            states += [row.carry, *(cache.state if cache.offset else ())]
-        mx.eval(states)
 
 
 def capture_prompt(prompt):
@@ -304,6 +310,7 @@ class MTPGenerationBatch:
         self.ahead: Step | None = None  # queued plain step: every row's ``last`` fed, its next token not yet read
         self.asked: list[int] | None = None  # depths asked of the policy for a cycle that has not run yet
         self.lookup_room = MAX_LOOKUP  # the most lookup drafts a row may verify in the next pass
+        self.queued_heads = False  # a row joined with a long prompt's head pairs queued: the next pass is plain
 
     @classmethod
     def empty(cls, model, fallback_sampler):
@@ -331,10 +338,12 @@ class MTPGenerationBatch:
         for i, uid in enumerate(prompts.uids):
             head = ctx.head_row(uid, prompts.tokens[i])
             del ctx.heads[uid]
+            ctx.lengths.pop(uid, None)
             heads.append(head.drafter.cache)
             row = join_row(ctx, uid, last[i], head.carry, self.samplers[i], self.logits_processors[i],
                        prompts.tokens[i])
-            row.head_whole = head.whole and ctx.drafter.head is not None
+            row.head_whole = head.whole and not head.drafter.first and ctx.drafter.head is not None
+            self.queued_heads |= bool(head.drafter.first)
             self.rows.append(row)
         self.head_cache = KVCache.merge(heads)
         log.debug("mtp_plugin: %d rows join MTP decoding", len(prompts.uids))
@@ -361,6 +370,7 @@ class MTPGenerationBatch:
         if self.ahead is not None:  # pipelined plain steps: the new rows' step is queued to join them
             self.ahead = self.ahead.join(self._feed_last(context_of(self), batch))
         self.asked = None  # the policy is asked again for the larger batch
+        self.queued_heads |= batch.queued_heads
         self.prompt_cache = _extend_cache(self.prompt_cache, batch.prompt_cache)
         if self.head_cache is None:
             self.head_cache = batch.head_cache
@@ -453,7 +463,8 @@ class MTPGenerationBatch:
             policy = ctx.policy(len(self.rows))
             depths, decisions = self._decide(ctx, policy)
             constrained = any(row.grammar is not None for row in self.rows)  # a mask needs the token before it
-            if not any(d.drafts for d in decisions) and not constrained:
+            late, self.queued_heads = self.queued_heads, False  # first tokens come before the head's prompt pairs
+            if (late or not any(d.drafts for d in decisions)) and not constrained:
                 return self._plain(ctx, policy, start)
             if self.ahead is not None:  # leave pipelined plain steps: emit the queued tokens, cycle next call
                 self.asked = depths

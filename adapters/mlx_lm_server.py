@@ -212,7 +212,7 @@ def summarize_on_stop(generation_loop):
 
 def attach_options(insert_segments):
     """Wrap ``BatchGenerator.insert_segments``: a request's ``response_format`` grammar joins its row's logits
-    processors (MTP or not), and an MTP generator keeps each new row's request options."""
+    processors (MTP or not), and an MTP generator keeps each new row's request options and prompt length."""
 
     @functools.wraps(insert_segments)
     def wrapper(self, *args, **kwargs):
@@ -223,8 +223,10 @@ def attach_options(insert_segments):
         uids = insert_segments(self, *args, **kwargs)
         ctx = context_of(self)
         if ctx is not None:
-            for uid in uids:
+            segments = args[0] if args else kwargs["segments"]
+            for uid, parts in zip(uids, segments, strict=True):
                 ctx.options[uid] = getattr(_routing, "options", None)
+                ctx.lengths[uid] = sum(map(len, parts))
         return uids
 
     return wrapper

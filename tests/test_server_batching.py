@@ -110,3 +110,21 @@ def test_disconnected_client_leaves_the_others_undisturbed(servers, alone):
     with ThreadPoolExecutor(3) as pool:
         texts = list(pool.map(lambda i: answer(plugin, request(i), stream=False)[0], range(3)))
     assert texts == [alone[i] for i in range(3)]
+
+
+def test_a_long_conversation_gets_stock_answers_turn_after_turn(servers):
+    """A prompt past the head's context (``drafter.HEAD_CONTEXT``), then two turns that extend it (the server's
+    prompt cache holds the conversation): the stock server's answers, drafting on."""
+    import importlib
+    from pathlib import Path
+
+    text = Path(importlib.import_module("mlx_lm.generate").__file__).read_text()[:9000]  # ~2k tokens here
+    plugin, stock = servers
+    drafted = 0
+    for turn in range(3):
+        body = {"prompt": text, "max_tokens": 24, "temperature": 0.0}
+        ours, timings = answer(plugin, body, False)
+        assert ours == answer(stock, body, False)[0], f"turn {turn}"
+        drafted += timings["draft_n"]
+        text += ours + f"\n# turn {turn + 2}\n"
+    assert drafted > 0

@@ -12,6 +12,7 @@ from ..head import norm_settling
 from .grammar import constrain
 
 HISTORY_WINDOW = 32  # most pairs kept unfed for the head; older ones are dropped (``PendingPairs``)
+HEAD_CONTEXT = 1024  # most prompt pairs fed to the head: a long prompt's earlier ones are skipped (docs/decoding.md)
 
 
 class PendingPairs:
@@ -108,11 +109,14 @@ class Drafter:
     """Drafting with an MTP head ``head(hidden (1, S, H), embeddings (1, S, H), cache) -> (1, S, H)``, or None
     (``stopped`` from the start: context drafts only); ``cache``: its empty trimmable KV cache."""
 
-    def __init__(self, head: nn.Module | None, trunk, cache, sampling=None, vocab=None):
+    def __init__(self, head: nn.Module | None, trunk, cache, sampling=None, vocab=None,
+                 context: int | None = HEAD_CONTEXT):
         self.head, self.trunk, self.cache, self.sampling, self.vocab = head, trunk, cache, sampling, vocab
+        self.context = context  # most prompt pairs fed to the head (None: all)
         self.pending = PendingPairs()
         self.stopped = head is None  # no head: lookup drafts and plain steps only
         self.committed = 0  # pairs committed so far: the next one's hidden is that of token ``committed``
+        self.first = 0  # the head's first pair (its cache holds pairs ``first`` … in order, none missing)
 
     def feed(self, hidden: mx.array, tokens: mx.array, start: int) -> mx.array:
         """Run the head on pairs (hidden (1, S, H), tokens (S,)) whose first hidden is that of token ``start``
@@ -124,16 +128,29 @@ class Drafter:
         """Draft token (1,) from head output g (1, 1, H) for generated token ``position``, and q (``propose``)."""
         return propose(draft_logits(g[0], self.trunk, self.vocab), self.sampling, self.vocab, position)
 
+    def bound(self, pairs: int) -> None:
+        """``pairs`` more prompt pairs are coming: feed the head only the last ``context`` of the history; when that
+        skips some, the head starts over from its first kept pair (its cache emptied)."""
+        if self.context is None or self.committed + pairs - self.context <= self.first:
+            return
+        self.first = self.committed + pairs - self.context
+        self.cache.trim(self.cache.offset)
+
     def prefill(self, carry: mx.array | None, hidden: mx.array, tokens: mx.array) -> mx.array:
         """Feed the pairs a prompt chunk completes (``carry``: the previous chunk's last hidden or None; returns
-        the new one). The first chunk also settles the head's open norm conventions (``norm_settling.on_prompt``)."""
-        pairs_hidden = hidden[:, :-1] if carry is None else mx.concatenate([carry, hidden[:, :-1]], axis=1)
-        pairs_tokens = tokens[1:] if carry is None else tokens
-        if pairs_tokens.size and not self.stopped:
-            if self.committed == 0:
+        the new one), those before ``first`` skipped (``bound``): their hidden states are left unevaluated, so the
+        trunk's last layer is not run for them. The first pairs fed settle the head's open norm conventions
+        (``norm_settling.on_prompt``)."""
+        shift = 0 if carry is None else 1  # pair j is (hidden[j - shift] or carry, tokens[j + 1 - shift])
+        size = tokens.size - 1 + shift
+        skip = min(size, max(0, self.first - self.committed))
+        if size > skip and not self.stopped:
+            pairs_tokens = tokens[skip + 1 - shift :]
+            pairs_hidden = hidden[:, skip - shift : -1] if skip >= shift else mx.concatenate([carry, hidden[:, :-1]], 1)
+            if self.committed + skip == self.first:
                 norm_settling.on_prompt(self.head, self.trunk, pairs_hidden, pairs_tokens, self.cache)
-            self.feed(pairs_hidden, pairs_tokens, self.committed)
-        self.committed += pairs_tokens.size
+            self.feed(pairs_hidden, pairs_tokens, self.committed + skip)
+        self.committed += size
         return hidden[:, -1:]
 
     def keep(self, hidden: mx.array, tokens: mx.array) -> None:

@@ -469,6 +469,7 @@ def generate(
     callback = prompt_progress_callback or (lambda *_: None)
     history = (prompt if prefill_history else prompt[-1:]) if processors else None
     drafter = Drafter(head, trunk, head_cache, sampling, draft_vocab)
+    drafter.bound(prompt.size - 1)
     loop = _Loop(trunk, cache, drafter, sampling, processors, history, cache_step, grammar)
     health = health if health is not None else HeadHealth("given to single.generate")
     if health.parked:
@@ -481,7 +482,7 @@ def generate(
         chunk = prompt[done : done + min(prefill_step_size, total - done - 1)]
         carry = drafter.prefill(carry, trunk.hidden(chunk[None], cache), chunk)
         loop.after_pass()
-        mx.eval([c.state for c in cache], head_cache.state if head_cache is not None and head_cache.offset else [])
+        mx.eval([c.state for c in cache])  # the head's prefill stays queued: the first token does not wait for it
         done += chunk.size
         callback(done, total)
     chunk = prompt[done:]
@@ -554,7 +555,10 @@ def generate(
     # pass, before its token is read), as mlx-lm queues step t+1 before reading token t.
     source, cycle, block_logprobs = Block.PROMPT, None, first
     diverged = False
-    following, launch = queue(ask(1, behind=True))
+    decision = ask(1, behind=True)
+    if decision is not None and drafter.first:  # a long prompt: the head's pairs run behind the first token
+        decision = Decision()
+    following, launch = queue(decision)
     block = loop.last.tolist()
     if lookup is not None:
         lookup.index.extend(block)
