@@ -3,10 +3,11 @@ plain decoding's, the head is fed only the prompt's last ``HEAD_CONTEXT`` pairs,
 is a plain step (the head's prompt pairs run behind the first token)."""
 
 import importlib
+import shutil
 from pathlib import Path
 
 import pytest
-from helpers.console_runs import HF
+from helpers.console_runs import HF, MLX4
 from mlx_lm import load, stream_generate
 
 from mtp_plugin.decoding import drafter
@@ -60,3 +61,12 @@ def test_the_first_token_of_a_long_prompt_comes_from_a_plain_step(loaded):
     short = model.mtp_head.stats.plain
     _generate(model, tokenizer, prompt, mtp_depth=2, mtp_lookup=False)
     assert model.mtp_head.stats.plain == short + 1 == 1
+
+
+def test_a_long_prompt_without_a_head_drafts_from_the_context(loaded, tmp_path):
+    """Lookup drafts only (the 4-bit conversion without its sidecar head): a long prompt decodes plain's tokens."""
+    _, tokenizer, prompt = loaded
+    shutil.copytree(MLX4, tmp_path / "headless", ignore=shutil.ignore_patterns("mtp.safetensors"))
+    model, _ = load(str(tmp_path / "headless"))
+    assert _generate(model, tokenizer, prompt, mtp_lookup=True) == _generate(model, tokenizer, prompt,
+                                                                               enable_mtp=False)

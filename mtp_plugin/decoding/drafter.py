@@ -134,7 +134,8 @@ class Drafter:
         if self.context is None or self.committed + pairs - self.context <= self.first:
             return
         self.first = self.committed + pairs - self.context
-        self.cache.trim(self.cache.offset)
+        if self.cache is not None:  # None: no head
+            self.cache.trim(self.cache.offset)
 
     def prefill(self, carry: mx.array | None, hidden: mx.array, tokens: mx.array) -> mx.array:
         """Feed the pairs a prompt chunk completes (``carry``: the previous chunk's last hidden or None; returns
