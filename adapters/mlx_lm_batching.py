@@ -42,7 +42,7 @@ STORED_HEADS = 32  # finished requests whose head caches are kept for requests t
 class HeadRow:
     """A request's head while its prompt is processed: its KV cache, the last unpaired hidden state (``carry``), and
     whether its cache holds the pair of every context position from the first (``whole``; a long prompt's head holds
-    its last ``drafter.HEAD_CONTEXT`` only: ``drafter.first`` > 0)."""
+    its window only, ``drafter.window``: ``drafter.first`` > 0)."""
 
     drafter: Drafter
     carry: mx.array | None = None
@@ -210,34 +210,52 @@ def context_of(batch) -> BatchContext | None:
 
 class _Capture:
     """Stands in for the model during ``PromptProcessingBatch.prompt``: runs the trunk for its hidden states
-    and feeds each row's valid positions (right padding excluded) to that row's head."""
+    and feeds each row's valid positions (right padding excluded) to that row's head. A chunk is cut where a row's
+    head window starts (``Drafter.split``), so the trunk's last layer runs only for the windows."""
 
     def __init__(self, ctx: BatchContext, uids: list[int], prefixes: list[list[int]], tokens: list[list[int]]):
         self.ctx, self.uids, self.prefixes, self.tokens, self.done = ctx, uids, prefixes, tokens, 0
 
     def __call__(self, inputs: mx.array, cache=None):
-        hidden = self.ctx.trunk.hidden(inputs, cache)
-        if not self.ctx.failed:
-            try:
-                self._feed(hidden)
-            except Exception as error:  # the head's history only: the trunk's pass above is whole
-                self.ctx.fail(error)
-        self.done += inputs.shape[1]
-        return hidden
+        n, parts = inputs.shape[1], []
+        cuts = self._cuts(n) if not self.ctx.failed else []
+        for start, stop in zip([0, *cuts], [*cuts, n], strict=True):
+            hidden = self.ctx.trunk.hidden(inputs[:, start:stop], cache)
+            if not self.ctx.failed:
+                try:
+                    self._feed(hidden)
+                except Exception as error:  # the head's history only: the trunk's pass above is whole
+                    self.ctx.fail(error)
+            self.done += stop - start
+            parts.append(hidden)
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 
-    def _feed(self, hidden: mx.array) -> None:
-        """Give each row's head its valid positions of this chunk's hidden states (B, n, H), the last
-        ``drafter.HEAD_CONTEXT`` pairs of its history at most. The head's work stays queued (not evaluated here):
-        the row's first token does not wait for it."""
-        n = hidden.shape[1]
+    def _rows(self, n: int):
+        """``(i, row, valid)`` of each row with valid positions among the next ``n`` (a new row's head created and
+        bounded to the window of its prompt passes, ``drafter.window``)."""
         for i, uid in enumerate(self.uids):
             valid = max(0, min(n, len(self.tokens[i]) - self.done))
-            if not valid:
-                continue
-            fresh = uid not in self.ctx.heads
-            row = self.ctx.head_row(uid, self.prefixes[i])
-            if fresh:
-                row.drafter.bound(self.ctx.lengths.pop(uid, len(self.tokens[i])) - 1)
+            if valid:
+                fresh = uid not in self.ctx.heads
+                row = self.ctx.head_row(uid, self.prefixes[i])
+                if fresh:
+                    length = self.ctx.lengths.pop(uid, len(self.tokens[i]))
+                    row.drafter.bound(length - 1, len(self.prefixes[i]) + length)
+                yield i, row, valid
+
+    def _cuts(self, n: int) -> list[int]:
+        """The positions inside the next ``n`` where some row's head window starts, ascending."""
+        try:
+            return sorted({cut for _, row, valid in self._rows(n) if (cut := row.drafter.split(valid, row.carry
+                                                                                                is not None)) < valid})
+        except Exception as error:  # the heads only: the trunk's pass goes on uncut
+            self.ctx.fail(error)
+            return []
+
+    def _feed(self, hidden: mx.array) -> None:
+        """Give each row's head its valid positions of this pass's hidden states (B, n, H), those of its window
+        only. The head's work stays queued (not evaluated here): the row's first token does not wait for it."""
+        for i, row, valid in self._rows(hidden.shape[1]):
             chunk = mx.array(self.tokens[i][self.done : self.done + valid], dtype=mx.uint32)
             row.carry = row.drafter.prefill(row.carry, hidden[i : i + 1, :valid], chunk)
 

@@ -69,7 +69,8 @@ def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured
     if loaded is None:
         policy = 1  # no head: never asked (the loop drafts from the context or steps plain)
     else:
-        policy = depth_policy(depth, loaded, 0.0 if sampling is None else sampling.temp)  # raises on a bad depth
+        context = len(prompt) + max((c.offset for c in cache if hasattr(c, "offset")), default=0)
+        policy = depth_policy(depth, loaded, 0.0 if sampling is None else sampling.temp, context)  # raises if bad
     stats = MTPStats(None if loaded is None else policy if isinstance(policy, int) else getattr(policy, "depth", None),
                      headless=loaded is None)
     if loaded is not None:

@@ -136,7 +136,7 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, lookup=N
     prompt_size = args["input_ids"].size
     step = args.get("prefill_step_size")
     chunked = step is not None and (prompt_size > 1 if CHUNKS_EVERY_PROMPT else prompt_size > step)
-    policy = depth_policy(depth, loaded, 0.0 if sampled is None else sampled.temp)  # raises on a bad depth
+    policy = depth_policy(depth, loaded, 0.0 if sampled is None else sampled.temp, prompt_size)  # raises if bad
     loaded.stats = MTPStats(policy if isinstance(policy, int) else getattr(policy, "depth", None))
     cache = args.get("prompt_cache")
     return {

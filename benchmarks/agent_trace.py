@@ -5,11 +5,13 @@
 
 Both servers start side by side (stock: ``MTP_PLUGIN_DISABLE=1``) and get the same conversation, turn by turn,
 alternating which goes first: a system prompt with the agent's tool schemas, then turns whose user message is a tool
-result carrying a real source file (mlx-lm's own modules, about ``--file-tokens`` tokens each) and an instruction,
-each turn extending the conversation the server's prompt cache holds. The assistant's reply of each turn is the stock
-server's, so both servers see the same context. Greedy, streamed. Prints per turn: context tokens, time to first
-token of each server and their ratio, decode tokens/s of each (tokens after the first over the time after it), the
-plugin's drafted and accepted tokens, and whether its text equals stock's. Loopback only; bounded by ``--turns``.
+result (in turn a real source file, mlx-lm's own modules of about ``--file-tokens`` tokens each, and a short test
+report) and an instruction, each turn extending the conversation the server's prompt cache holds; every request
+carries the tool schemas (``tools``). The assistant's reply of each turn is the stock server's, so both servers see
+the same context. Greedy, streamed. Prints per turn: context tokens and those the turn added to the cached
+conversation, time to first token of each server and their ratio, decode tokens/s of each (tokens after the first
+over the time after it), the plugin's drafted and accepted tokens, and whether its text and tool calls equal stock's.
+Loopback only; bounded by ``--turns``.
 """
 
 import argparse
@@ -40,11 +42,11 @@ SYSTEM = ("You are a coding agent. You work in a Python repository through these
 
 def stream(server: Server, messages: list[dict], max_tokens: int) -> dict:
     """One streamed greedy chat completion: text, seconds to the first and to the last token, token count, timings."""
-    body = {"model": server.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": server.model, "messages": messages, "tools": TOOLS, "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     request = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/chat/completions",
                                      data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    start, first, text, tokens, last, usage = time.perf_counter(), None, "", 0, {}, {}
+    start, first, text, tokens, last, usage, calls = time.perf_counter(), None, "", 0, {}, {}, []
     with urllib.request.urlopen(request, timeout=1800) as response:
         for line in response:
             line = line.decode().strip()
@@ -53,20 +55,24 @@ def stream(server: Server, messages: list[dict], max_tokens: int) -> dict:
             event = json.loads(line[5:])
             last, usage = event, event.get("usage") or usage
             for choice in event.get("choices", []):
+                calls += choice.get("delta", {}).get("tool_calls") or []
                 piece = choice.get("delta", {}).get("content") or ""
                 if piece:
                     first = first or time.perf_counter() - start
                     text, tokens = text + piece, tokens + 1
-    return {"text": text, "first": first or 0.0, "total": time.perf_counter() - start,
+    return {"text": text, "calls": calls, "first": first or 0.0, "total": time.perf_counter() - start,
             "tokens": usage.get("completion_tokens", tokens), "context": usage.get("prompt_tokens", 0),
             "timings": last.get("timings") or {}}
 
 
 def tool_results(count: int, file_tokens: int) -> list[str]:
-    """``count`` tool results, each a real source file cut to about ``file_tokens`` tokens (4 characters each)."""
+    """``count`` tool results: a real source file cut to about ``file_tokens`` tokens (4 characters each), then a
+    short test report, in turn."""
     sources = [Path(importlib.import_module(m).__file__).read_text() for m in MODULES]
-    return [f"read_file returned {MODULES[i % len(MODULES)].replace('.', '/')}.py:\n"
-            f"{sources[i % len(sources)][: file_tokens * 4]}\n" for i in range(count)]
+    files = [f"read_file returned {MODULES[i % len(MODULES)].replace('.', '/')}.py:\n"
+             f"{sources[i % len(sources)][: file_tokens * 4]}\n" for i in range(count)]
+    return [files[i // 2] if i % 2 == 0 else f"run_tests returned: 3 passed, 1 failed ({MODULES[i // 2 % len(MODULES)]}"
+            f" test {i}).\n" for i in range(count)]
 
 
 def main() -> None:
@@ -88,7 +94,9 @@ def main() -> None:
     messages = [{"role": "system", "content": SYSTEM}]
     lines = [f"# agent trace: {args.model.name}, {args.turns} turns, tool results of ~{args.file_tokens} tokens, "
              f"{args.max_tokens}-token replies, greedy",
-             "turn  context  ttft stock  ttft plugin  ratio  tok/s stock  tok/s plugin  drafted  accepted  same"]
+             "turn  context  added  ttft stock  ttft plugin  ratio  tok/s stock  tok/s plugin  drafted  accepted  "
+             "same"]
+    context = 0
     try:
         for turn, result in enumerate(tqdm(tool_results(args.turns, args.file_tokens), desc="turns", unit="turn")):
             messages.append({"role": "user", "content": result + f"Turn {turn + 1}: fix the first function above."})
@@ -96,10 +104,13 @@ def main() -> None:
             runs = {name: stream(servers[name], messages, args.max_tokens) for name in order}
             stock, ours = runs["stock"], runs["plugin"]
             rate = {k: (r["tokens"] - 1) / max(r["total"] - r["first"], 1e-9) for k, r in runs.items()}
-            lines.append(f"{turn + 1:>4}  {stock['context']:>7}  {stock['first']:>10.2f}  {ours['first']:>11.2f}  "
+            same = ours["text"] == stock["text"] and ours["calls"] == stock["calls"]
+            lines.append(f"{turn + 1:>4}  {stock['context']:>7}  {stock['context'] - context:>5}  "
+                         f"{stock['first']:>10.2f}  {ours['first']:>11.2f}  "
                          f"{ours['first'] / stock['first']:>5.2f}  {rate['stock']:>11.1f}  {rate['plugin']:>12.1f}  "
                          f"{ours['timings'].get('draft_n', 0):>7}  {ours['timings'].get('draft_n_accepted', 0):>8}  "
-                         f"{'yes' if ours['text'] == stock['text'] else 'NO'}")
+                         f"{'yes' if same else 'NO'}")
+            context = stock["context"] + stock["tokens"]
             messages.append({"role": "assistant", "content": stock["text"]})
     finally:
         for server in servers.values():

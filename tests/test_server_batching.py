@@ -113,9 +113,9 @@ def test_disconnected_client_leaves_the_others_undisturbed(servers, alone):
 
 
 def test_a_long_conversation_gets_stock_answers_turn_after_turn(servers):
-    """A prompt past the head's context (``drafter.HEAD_CONTEXT``), then two turns that extend it (the server's
-    prompt cache holds the conversation), at a fixed depth (the shared servers' policy may be parked): the stock
-    server's answers, drafting."""
+    """A prompt past the head's window (``drafter.window``: its prompt pass is cut where the window starts), then two
+    turns that extend it (the server's prompt cache holds the conversation), at a fixed depth (the shared servers'
+    policy may be parked): the stock server's answers, drafting."""
     import importlib
     from pathlib import Path
 

@@ -17,10 +17,12 @@ from mlx_lm import load
 from mlx_lm.sample_utils import make_sampler
 
 from mtp_plugin import tuning
-from mtp_plugin.commands import measure
+from mtp_plugin.commands import measure, sweep
 from mtp_plugin.commands.bench import _row, bench, efficiency, notes, render
 from mtp_plugin.commands.cli import main
 from mtp_plugin.commands.tune import token_counts
+from mtp_plugin.decoding import drafter
+from mtp_plugin.decoding.options import context_band
 from mtp_plugin.head import draft_vocab
 
 HF = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5" / "hf"
@@ -90,12 +92,12 @@ def test_automatic_depth_controller_kept_across_generations(model_dir):
     measured = []
     for _ in range(2):
         list(generate_step(mx.array(tokenizer.encode("def f(x):\n")), model, max_tokens=12))
-        controller = model.mtp_head.controllers[0.0]
+        controller = model.mtp_head.controllers[0.0, 0]
         measured.append((controller, sum(len(c) for c in controller.costs)))
     (first, before), (second, after) = measured
     assert second is first and after > before  # the second generation went on from the first's measurements
     list(generate_step(mx.array(tokenizer.encode("x")), model, max_tokens=4, mtp_depth=2))
-    assert model.mtp_head.controllers == {0.0: first}  # a fixed depth leaves it alone
+    assert model.mtp_head.controllers == {(0.0, 0): first}  # a fixed depth leaves it alone
 
 
 def test_each_temperature_keeps_its_own_controller(model_dir):
@@ -108,9 +110,27 @@ def test_each_temperature_keeps_its_own_controller(model_dir):
         sampler = make_sampler(temperature) if temperature else None
         list(generate_step(prompt, model, max_tokens=8, sampler=sampler))
         seen.append(dict(model.mtp_head.controllers))
-    assert list(seen[2]) == [0.7, 1.0, 0.0]
+    assert list(seen[2]) == [(0.7, 0), (1.0, 0), (0.0, 0)]
     assert len({id(c) for c in seen[2].values()}) == 3
     assert seen[4] == seen[2]  # 0.7 again, and 0.72 (rounded to 0.7), went on with the first 0.7 controller
+
+
+def test_each_context_band_keeps_its_own_controller(model_dir):
+    """A verify pass costs more, and drafts are accepted less, as the context grows: one controller per context band
+    (doubling from 2048 tokens), a new band starting at the nearest shorter band's choice."""
+    model, tokenizer = load(str(model_dir))
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    source = Path(importlib.import_module("mlx_lm.generate").__file__).read_text()
+    tokens = tokenizer.encode(source)
+    assert [context_band(n) for n in (0, 2047, 2048, 4095, 4096, 40000)] == [0, 0, 1, 1, 2, 5]
+    list(generate_step(mx.array(tokens[:50]), model, max_tokens=8))
+    short = model.mtp_head.controllers[0.0, 0]
+    short.choice = 3  # as if it had settled there
+    before = list(short.cycles_at)
+    list(generate_step(mx.array(tokens[:2100]), model, max_tokens=6, mtp_lookup=False))
+    assert list(model.mtp_head.controllers) == [(0.0, 0), (0.0, 1)]
+    assert model.mtp_head.controllers[0.0, 1].choice == 3 and model.mtp_head.stats.depths[0] == 3
+    assert short.cycles_at == before  # the short band's left alone
 
 
 def test_efficiency_from_measured_parts():
@@ -176,14 +196,40 @@ def test_bench_report(model_dir, capsys):
 
 
 def test_long_context_prompts(model_dir, capsys):
-    """``bench --prompt-tokens N``: each prompt preceded by earlier standard-library source, N tokens in all, its own
+    """``bench --context N``: each prompt preceded by earlier standard-library source, N tokens in all, its own
     tokens last; a prompt already that long is kept."""
     prompts = [[7, 8, 9], list(range(50))]
     longer = measure.with_context(prompts, 40, lambda text: [ord(c) for c in text])
     assert [len(p) for p in longer] == [40, 50]
     assert longer[0][-3:] == [7, 8, 9] and longer[1] == prompts[1]
-    assert main(["bench", str(model_dir), "--prompt-tokens", "-1"]) == 2
-    assert "--prompt-tokens must be >= 0, got -1" in capsys.readouterr().err
+    for bad in ("-1", "1024,x", "0,8192"):
+        with pytest.raises(SystemExit, match="2"):
+            main(["bench", str(model_dir), "--context", bad])
+        assert "argument --context:" in capsys.readouterr().err
+
+
+def test_long_context_sweep(model_dir, capsys):
+    """``bench --context N,N``: per length, plain, each fixed depth and the default on prompts padded to it, the
+    default's ratios to the best fixed depth and to plain, and the head's window at that length."""
+    assert main(["bench", str(model_dir), *QUICK, "--depths", "1", "--context", "500,1500", "--prompts", "1",
+                 "--json"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert [c["context"] for c in report["contexts"]] == [500, 1500]
+    for c in report["contexts"]:
+        assert c["prompt_tokens"] == [c["context"]] and c["window"] == drafter.window(c["context"])
+        assert [r["name"] for r in c["candidates"]] == ["plain", "depth 1", "default"]
+        fixed, default = c["candidates"][1], c["candidates"][2]
+        assert c["default_vs_best"] == pytest.approx(default["tokens_per_second"] / fixed["tokens_per_second"])
+        assert c["default_vs_plain"] == default["speedup"] and fixed["tokens_per_cycle"] >= 1
+        assert [r["differs"] for r in c["candidates"]] == [0, 0, 0]  # greedy MTP: plain's tokens
+    assert "bench: context 500: warm-up" in err and "bench: context 1500: decode" in err
+    text = sweep.render(report)
+    window = drafter.window(1500)
+    assert f"context 1500 (prompts of 1500 tokens; the head is fed the last {window} prompt pairs)" in text
+    assert "default / best fixed depth:" in text and "default / plain:" in text and "same tokens as plain" in text
+    report["contexts"][0]["candidates"][1]["differs"] = 1
+    assert "NO (1 of 1 prompts differ)" in sweep.render(report)
 
 
 def test_result_files_never_overwritten(tmp_path):
@@ -201,8 +247,9 @@ def test_vocab_text_token_counts():
 def test_bad_arguments(model_dir, capsys):
     assert main(["bench", str(model_dir / "missing")]) == 2
     capsys.readouterr()
-    assert main(["bench", str(model_dir), "--max-tokens", "4", "--prompt-tokens", "-1"]) == 2  # told before anything
-    assert capsys.readouterr().err.startswith("mtp-plugin bench: --max-tokens 4 is below 32")
+    assert main(["bench", str(model_dir), "--max-tokens", "4", "--prompts", "5"]) == 2  # told before anything
+    err = capsys.readouterr().err
+    assert err.startswith("mtp-plugin bench: --max-tokens 4 is below 32") and "--prompts must be 1-4, got 5" in err
     with pytest.raises(SystemExit, match="2"):
         main(["tune", str(model_dir), "--depths", "9"])
     assert "argument --depths: must be 1-8, got 9" in capsys.readouterr().err

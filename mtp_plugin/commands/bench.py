@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 from .. import tuning
+from ..decoding.options import context_band
 from ..decoding.single import DEFAULT_DEPTH, MAX_DEPTH
 from ..decoding.stats import MTPStats
 from ..head import draft_vocab
@@ -76,9 +77,11 @@ def efficiency(rows: list[dict], costs: dict, draft: str = "draft") -> None:
 
 
 def notes(max_tokens: int, rows: list[dict]) -> list[str]:
-    """What makes a report's figures unreliable, a line each: too few tokens (``few_tokens``), an efficiency above 1
-    (marked ``*`` in its row)."""
+    """What makes a report's figures unreliable, a line each: too few tokens (``few_tokens``), a candidate whose
+    tokens differ from plain decoding's, an efficiency above 1 (marked ``*`` in its row)."""
     out = [few_tokens(max_tokens)] if few_tokens(max_tokens) else []
+    out += [f"{r['name']}: greedy tokens differ from plain decoding's on {r['differs']} prompt(s): not lossless here"
+            for r in rows if r.get("differs")]
     if any(_above_ideal(r) for r in rows):
         out.append("* an efficiency above 1: the run beat the ideal its measured costs predict, which only noise or "
                    "costs that moved between their measurement and the run explain; measure longer (--max-tokens, "
@@ -103,8 +106,20 @@ def _reference(decoder: ReferenceDecoder, prompts, depths: int, max_tokens: int,
     return {"name": decoder.name, "candidates": summarise(results)}
 
 
+def check_options(depths: int, max_tokens: int, repeats: int, dtype: str | None, prompt_count: int) -> list[str]:
+    """The suite's code prompts, after raising ``UsageError`` for an option of bench out of range (``usage.RANGES``),
+    an unknown dtype or a ``prompt_count`` outside 1..4."""
+    check_measure_options(depths, max_tokens, repeats)
+    if dtype is not None and dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    suite = measure.code_prompts()
+    if not 1 <= prompt_count <= len(suite):
+        raise UsageError(f"--prompts must be 1-{len(suite)}, got {prompt_count}")
+    return suite
+
+
 def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int = 3, dtype: str | None = None,
-          prompt_tokens: int = 0, references: bool = True) -> dict:
+          prompt_tokens: int = 0, references: bool = True, prompt_count: int = 4) -> dict:
     """Run the benchmark on ``model_dir``.
 
     Args:
@@ -114,6 +129,7 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
         prompt_tokens: 0, else each prompt padded with earlier source up to this many tokens
             (``measure.with_context``).
         references: also measure other runtimes' own MTP decoders (``mtp_reference_decoders``).
+        prompt_count: the suite's first ``prompt_count`` code prompts are measured (1..4).
 
     Returns:
         ``{"candidates": rows (``tune.summarise`` plus ``ideal``/``efficiency``), "costs": {"plain_seconds": t(1),
@@ -124,25 +140,24 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
         [what makes the figures unreliable: too few tokens (``MEASURABLE``), an efficiency above 1], ...}``.
 
     Raises:
-        UsageError: ``depths``, ``max_tokens`` or ``repeats`` out of range (``usage.RANGES``), an unknown dtype, or a
-            negative ``prompt_tokens``.
+        UsageError: ``depths``, ``max_tokens`` or ``repeats`` out of range (``usage.RANGES``), an unknown dtype, a
+            negative ``prompt_tokens`` or ``prompt_count`` outside 1..4.
         CheckpointError: no usable head.
     """
-    check_measure_options(depths, max_tokens, repeats)
-    if dtype is not None and dtype not in DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    suite = check_options(depths, max_tokens, repeats, dtype, prompt_count)
     if prompt_tokens < 0:
-        raise UsageError(f"--prompt-tokens must be >= 0, got {prompt_tokens}")
+        raise UsageError(f"--context must be >= 0, got {prompt_tokens}")
     model, tokenizer = load(model_dir)
     if dtype is not None:
         cast(model, DTYPES[dtype])
-    prompts = [tokenizer.encode(p) for p in measure.code_prompts()]
+    prompts = [tokenizer.encode(p) for p in suite[:prompt_count]]
     if prompt_tokens:
         prompts = measure.with_context(prompts, prompt_tokens, tokenizer.encode)
     candidates = {"plain": None, **{f"depth {d}": d for d in range(1, depths + 1)}, "adaptive": 0}
     rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats,
                                         "bench"))
-    controller = model.mtp_head.controllers.get(0.0)  # the adaptive (greedy) row's, kept across its generations
+    band = context_band(max(len(p) for p in prompts))
+    controller = model.mtp_head.controllers.get((0.0, band))  # the adaptive (greedy) row's, kept across generations
     adaptive = controller.report() if hasattr(controller, "report") else None
     tuned = model.mtp_head.draft_vocab
     subset = tuned or _cost_subset(model)

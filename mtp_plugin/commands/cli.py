@@ -155,10 +155,28 @@ def _bench(args) -> int:
 
     if few_tokens(args.max_tokens):
         print(f"mtp-plugin bench: {few_tokens(args.max_tokens)}", file=sys.stderr)
-    report = bench(args.model_dir, args.depths, args.max_tokens, args.repeats, args.dtype, args.prompt_tokens,
-                   not args.no_references)
+    if len(args.context) > 1:
+        from . import sweep
+
+        report = sweep.sweep(args.model_dir, args.context, args.depths, args.max_tokens, args.repeats, args.dtype,
+                             args.prompts)
+        print(json.dumps(report, indent=2) if args.json else sweep.render(report))
+        return 0
+    report = bench(args.model_dir, args.depths, args.max_tokens, args.repeats, args.dtype, args.context[0],
+                   not args.no_references, args.prompts)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
+
+
+def _contexts(text: str) -> list[int]:
+    """``--context``'s value: token counts separated by commas (0 alone: the suite's own prompts)."""
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token counts separated by commas, got {text!r}") from None
+    if counts != [0] and any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"token counts must be >= 1, got {text!r}")
+    return counts
 
 
 def render(report: dict) -> str:
@@ -274,9 +292,12 @@ def parser() -> argparse.ArgumentParser:
                                      "(beside the model's own output on the prompt suite)")
     sub.choices["bench"].add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                                       help="cast the floating weights after loading (e.g. an fp32/hf checkpoint)")
-    sub.choices["bench"].add_argument("--prompt-tokens", type=int, default=0, metavar="N",
+    sub.choices["bench"].add_argument("--context", type=_contexts, default=[0], metavar="N[,N...]",
                                       help="precede each prompt with earlier source up to N tokens (a long context; "
-                                      "default 0: the suite's prompts of about 300 tokens)")
+                                      "default 0: the suite's prompts of about 300 tokens); several lengths: the "
+                                      "long-context sweep (plain, fixed depths and the default at each)")
+    sub.choices["bench"].add_argument("--prompts", type=int, default=4, metavar="K",
+                                      help="measure the suite's first K code prompts, 1-4 (default 4)")
     sub.choices["bench"].add_argument("--no-references", action="store_true",
                                       help="skip other runtimes' own MTP decoders (e.g. mlx-vlm's native drafter)")
     return p

@@ -26,6 +26,7 @@ from ..files import atomic_write
 from ..plugins import hook
 
 PROMPT_SOURCES = ("textwrap.py", "shlex.py", "string.py", "fractions.py")  # standard library, on every machine
+FILLER_SOURCES = (*PROMPT_SOURCES, "argparse.py", "inspect.py", "typing.py")  # a long context's, about 150k tokens
 PROMPT_CHARS = 1000
 
 
@@ -43,23 +44,26 @@ def code_prompts(sources: tuple[str, ...] = PROMPT_SOURCES) -> list[str]:
 
 
 def with_context(prompts: list[list[int]], tokens: int, encode) -> list[list[int]]:
-    """Each prompt (token ids) preceded by the tail of the suite's modules' source, up to ``tokens`` tokens in all (a
-    longer prompt is kept as it is); ``encode``: the tokenizer's text → token ids."""
+    """Each prompt (token ids) preceded by the tail of the ``FILLER_SOURCES`` modules' source, up to ``tokens`` tokens
+    in all (a longer prompt is kept as it is; the filler is not repeated); ``encode``: the tokenizer's text → token
+    ids."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    filler = encode("\n".join((stdlib / name).read_text() for name in PROMPT_SOURCES))
+    filler = encode("\n".join((stdlib / name).read_text() for name in FILLER_SOURCES))
     return [filler[max(0, len(filler) - (tokens - len(p))):] + p if len(p) < tokens else p for p in prompts]
 
 
 @dataclass
 class Result:
     """One candidate's tokens/s: the median over repeats, each repeat's (``runs``), each generation's; ``stats``: MTP
-    counters summed over every run (None for plain decoding)."""
+    counters summed over every run (None for plain decoding); ``differs``: prompts whose tokens in the first repeat
+    differed from the first candidate's (greedy: 0 is lossless on this suite)."""
 
     name: str
     tokens_per_second: float
     runs: list[float]
     generations: list[float]
     stats: MTPStats | None
+    differs: int = 0
 
 
 def write_result(out: Path, name: str, text: str) -> Path:
@@ -75,12 +79,12 @@ def write_result(out: Path, name: str, text: str) -> Path:
     return path
 
 
-def _timed(stream) -> tuple[int, float]:
-    """(tokens after the first, seconds from the first token to the last) of one generation's token stream."""
-    next(stream)
+def _timed(stream) -> tuple[list[int], float]:
+    """(the tokens, seconds from the first token to the last) of one generation's token stream."""
+    tokens = [next(stream)]
     start = time.perf_counter()
-    count = sum(1 for _ in stream)
-    return count, time.perf_counter() - start
+    tokens.extend(stream)
+    return tokens, time.perf_counter() - start
 
 
 def runtime_decoder(model):
@@ -93,7 +97,7 @@ def runtime_decoder(model):
 
 
 def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens: int,
-               repeats: int, label: str = "measure", setup=None) -> dict[str, Result]:
+               repeats: int, label: str = "measure", setup=None, warm: list[int] | None = None) -> dict[str, Result]:
     """Measure each candidate after a warm-up, interleaved in an order rotating by one at each prompt, with a
     progress bar on stderr. Tokens/s count the tokens after the first over the seconds from the first to the last.
 
@@ -102,6 +106,7 @@ def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens
         depths: name → depth argument of ``decode`` (None: plain decoding, 0: adaptive, 1..8).
         max_tokens: tokens generated per prompt (≥ 2); repeats: runs of the whole suite (≥ 1).
         setup: ``setup(name)`` called before each run of candidate ``name`` (e.g. to set a draft vocabulary), or None.
+        warm: the prompt the warm-up decodes (default ``prompts[0]``; a short one spares a long prompt's prefill).
 
     Returns:
         name → Result, in the order of ``depths``.
@@ -109,12 +114,13 @@ def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens
     runs: dict[str, list[float]] = {name: [] for name in depths}
     generations: dict[str, list[float]] = {name: [] for name in depths}
     totals: dict[str, MTPStats | None] = dict.fromkeys(depths)
+    texts: dict[tuple[str, int], list[int]] = {}  # (candidate, prompt index) -> tokens of the first repeat
     setup = setup or (lambda name: None)
     with tqdm(total=len(depths) * (1 + repeats * len(prompts)), desc=f"{label}: warm-up", unit="run") as progress:
         for name, depth in depths.items():  # warm-up: first calls allocate and trace
             progress.set_postfix_str(name)
             setup(name)
-            _timed(decode(prompts[0], 8, depth))
+            _timed(decode(prompts[0] if warm is None else warm, 8, depth))
             progress.update()
         progress.set_description(f"{label}: decode")
         order = list(depths)
@@ -126,8 +132,11 @@ def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens
                     depth = depths[name]
                     progress.set_postfix_str(f"{name}, run {repeat + 1}/{repeats}")
                     setup(name)
-                    n, s = _timed(decode(prompt, max_tokens, depth))
+                    text, s = _timed(decode(prompt, max_tokens, depth))
+                    n = len(text) - 1
                     progress.update()
+                    if repeat == 0:
+                        texts[name, i] = text
                     tokens[name], seconds[name] = tokens[name] + n, seconds[name] + s
                     generations[name].append(n / s)
                     if depth is not None and stats() is not None:
@@ -135,8 +144,9 @@ def candidates(decode, stats, prompts: list[list[int]], depths: dict, max_tokens
                         totals[name].add(stats())
             for name in depths:
                 runs[name].append(tokens[name] / seconds[name])
-    return {name: Result(name, statistics.median(runs[name]), runs[name], generations[name], totals[name])
-            for name in depths}
+    first = next(iter(depths))
+    return {name: Result(name, statistics.median(runs[name]), runs[name], generations[name], totals[name],
+                         sum(texts[name, i] != texts[first, i] for i in range(len(prompts)))) for name in depths}
 
 
 class _Warm:

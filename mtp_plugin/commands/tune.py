@@ -21,7 +21,8 @@ MARGIN = 0.02  # a depth is recommended only if at least 2 % faster than plain d
 
 def summarise(results: dict[str, measure.Result]) -> list[dict]:
     """Per candidate: name, tokens/s (median), speedup (median over repeats of tokens/s ÷ plain's in the same
-    repeat), tokens per cycle, acceptance by depth, trunk passes per token; ``results`` must hold ``plain``."""
+    repeat), tokens per cycle, acceptance by depth, trunk passes per token, prompts whose tokens differed from the
+    first candidate's (``measure.Result.differs``); ``results`` must hold ``plain``."""
     plain = results["plain"].runs
     rows = []
     for name, r in results.items():
@@ -30,7 +31,7 @@ def summarise(results: dict[str, measure.Result]) -> list[dict]:
                      "runs": r.runs,
                      "tokens_per_cycle": r.stats.tokens_per_cycle if r.stats else None,
                      "acceptance_by_depth": r.stats.acceptance_by_depth if r.stats else None,
-                     "passes_per_token": r.stats.passes_per_token if r.stats else 1.0})
+                     "passes_per_token": r.stats.passes_per_token if r.stats else 1.0, "differs": r.differs})
     return rows
 
 

@@ -13,6 +13,15 @@ from .grammar import constrain
 
 HISTORY_WINDOW = 32  # most pairs kept unfed for the head; older ones are dropped (``PendingPairs``)
 HEAD_CONTEXT = 1024  # most prompt pairs fed to the head: a long prompt's earlier ones are skipped (docs/decoding.md)
+HEAD_WORK = 128 * 8192  # most window × context of a long prompt: the window's catch-up attends over the context
+MIN_WINDOW = 32  # fewest prompt pairs a window keeps however long the context
+
+
+def window(context: int) -> int:
+    """The prompt pairs fed to the head when the trunk's context holds ``context`` positions: ``HEAD_CONTEXT``, fewer
+    as the context grows past ``HEAD_WORK / HEAD_CONTEXT`` (the window's cost, window × context query-key products in
+    the trunk's last layer, stays bounded), ``MIN_WINDOW`` at least."""
+    return min(HEAD_CONTEXT, max(MIN_WINDOW, HEAD_WORK // max(context, 1)))
 
 
 class PendingPairs:
@@ -128,14 +137,27 @@ class Drafter:
         """Draft token (1,) from head output g (1, 1, H) for generated token ``position``, and q (``propose``)."""
         return propose(draft_logits(g[0], self.trunk, self.vocab), self.sampling, self.vocab, position)
 
-    def bound(self, pairs: int) -> None:
-        """``pairs`` more prompt pairs are coming: feed the head only the last ``context`` of the history; when that
-        skips some, the head starts over from its first kept pair (its cache emptied)."""
-        if self.context is None or self.committed + pairs - self.context <= self.first:
+    def bound(self, pairs: int, context: int | None = None) -> None:
+        """``pairs`` more prompt pairs are coming, after which the trunk's cache holds ``context`` positions (None:
+        ``committed + pairs + 1``): feed the head only the last ``window(context)`` (at most ``context`` of the
+        constructor) of the history; when that skips some, the head starts over from its first kept pair (its
+        cache emptied)."""
+        if self.context is None:
             return
-        self.first = self.committed + pairs - self.context
+        kept = min(self.context, window(self.committed + pairs + 1 if context is None else context))
+        if self.committed + pairs - kept <= self.first:
+            return
+        self.first = self.committed + pairs - kept
         if self.cache is not None:  # None: no head
             self.cache.trim(self.cache.offset)
+
+    def split(self, size: int, carried: bool) -> int:
+        """Where the next prompt chunk of ``size`` tokens (``carried``: a previous chunk's last hidden state is
+        pending) is best cut in two passes so the trunk's last layer runs only for the head's window: the index of
+        the window's first token when it lies inside the chunk, else ``size`` (no cut). Re-chunking a prompt leaves
+        the trunk's caches bit-identical on MLX's CPU backend (tests/test_long_context.py)."""
+        start = self.first - self.committed - carried
+        return start if 0 < start < size and not self.stopped else size
 
     def prefill(self, carry: mx.array | None, hidden: mx.array, tokens: mx.array) -> mx.array:
         """Feed the pairs a prompt chunk completes (``carry``: the previous chunk's last hidden or None; returns

@@ -11,6 +11,8 @@ from .. import tuning
 from .controller import DepthController
 from .single import DEFAULT_DEPTH, MAX_DEPTH
 
+CONTEXT_BAND = 2048  # tokens: generations whose contexts share a band (doubling from here) share a depth controller
+
 
 @dataclass(frozen=True)
 class MTPOptions:
@@ -47,11 +49,19 @@ def resolve(enabled=None, depth=None, lookup=None) -> MTPOptions:
     return _command_line.over(enabled, depth, lookup)
 
 
-def depth_policy(depth, loaded, temperature: float = 0.0):
+def context_band(context: int) -> int:
+    """The band of a generation whose trunk context starts with ``context`` tokens: 0 below ``CONTEXT_BAND``, then
+    one more each time the context doubles (1: 2-4k tokens, 2: 4-8k, …)."""
+    return (max(context, 0) // CONTEXT_BAND).bit_length()
+
+
+def depth_policy(depth, loaded, temperature: float = 0.0, context: int = 0):
     """The loop's ``depth`` option: a fixed depth 1..8 or a policy (``next_depth()``, ``observe()``) as given; 0 or
     None: the adaptive ``DepthController`` of ``loaded`` (a ``loading.loader.LoadedHead``) for the sampling
-    ``temperature`` rounded to 0.1 (0.0: greedy), made on first use at the tuned depth (else the default) and kept
-    across generations. Raises ValueError for any other ``depth`` (bool, str and float included)."""
+    ``temperature`` rounded to 0.1 (0.0: greedy) and the ``context_band`` of the prompt's ``context`` tokens, kept
+    across generations. A new one starts at the choice of the same temperature's nearest shorter band (a verify
+    pass costs more, and drafts are accepted less, as the context grows), else at the tuned depth (else the
+    default). Raises ValueError for any other ``depth`` (bool, str and float included)."""
     policy = hasattr(depth, "next_depth") and hasattr(depth, "observe")
     integer = isinstance(depth, numbers.Integral) and not isinstance(depth, bool)
     if not (depth is None or policy or (integer and 0 <= depth <= MAX_DEPTH)):
@@ -59,8 +69,10 @@ def depth_policy(depth, loaded, temperature: float = 0.0):
                          f"depth policy with next_depth() and observe(); got {depth!r}")
     if depth:
         return depth if policy else int(depth)
-    key = round(float(temperature), 1)
+    key = (round(float(temperature), 1), context_band(context))
     if key not in loaded.controllers:
-        start = tuning.start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
+        shorter = [k for k in loaded.controllers if k[0] == key[0] and k[1] < key[1]]
+        start = (loaded.controllers[max(shorter)].choice if shorter
+                 else tuning.start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH))
         loaded.controllers[key] = DepthController(start)
     return loaded.controllers[key]

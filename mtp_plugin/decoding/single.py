@@ -475,11 +475,14 @@ def generate(
     if health.parked:
         drafter.stop()
 
-    # Prefill exactly as plain decoding chunks it: all but the last prompt token, then the last (or all in one).
+    # Prefill as plain decoding chunks it (all but the last prompt token, then the last, or all in one), a chunk cut
+    # where the head's window starts (not under KV quantization, which each pass's end may switch on).
     total, done, carry = prompt.size, 0, None
     callback(0, total)
     while total - done > 1 and not one_pass:
         chunk = prompt[done : done + min(prefill_step_size, total - done - 1)]
+        if cache_step is None:  # a pass cut before KV quantization starts would attend over unquantized keys
+            chunk = chunk[: drafter.split(chunk.size, carry is not None)]
         carry = drafter.prefill(carry, trunk.hidden(chunk[None], cache), chunk)
         loop.after_pass()
         mx.eval([c.state for c in cache])  # the head's prefill stays queued: the first token does not wait for it
