@@ -18,8 +18,8 @@ from mtp_plugin.decoding.controller import PLAIN, DepthController
 from mtp_plugin.decoding.drafter import Drafter, PendingPairs
 from mtp_plugin.decoding.grammar import GrammarProcessor, grammar_of
 from mtp_plugin.decoding.lockstep import NONE, Lockstep, LockstepError, group_of
-from mtp_plugin.decoding.lookup import lookup_policy, sampled_prior
-from mtp_plugin.decoding.options import command_line
+from mtp_plugin.decoding.lookup import ContextIndex, lookup_policy, sampled_prior
+from mtp_plugin.decoding.options import command_line, context_band
 from mtp_plugin.decoding.scheduler import Chain, CostTable, Decision, RowState, costs_of, plan, pricing
 from mtp_plugin.decoding.single import DEFAULT_DEPTH, MAX_DEPTH
 from mtp_plugin.decoding.stats import MTPStats
@@ -36,6 +36,7 @@ from .mlx_lm_sampling import SAMPLINGS
 log = logging.getLogger("mtp_plugin")
 MAX_LOOKUP = 1 << 30  # no limit on a row's lookup drafts but its remaining tokens
 STORED_HEADS = 32  # finished requests whose head caches are kept for requests that reuse their prompt caches
+STORED_INDEXES = 4  # latest prompts whose lookup indexes are kept for requests that extend them (a conversation)
 
 
 @dataclass
@@ -58,11 +59,12 @@ class BatchContext:
     drafter: BatchDrafter
     health: object  # the loaded head's ``head.health.HeadHealth``: a parked head drafts no more
     start: int  # the depth a new policy starts at (tuned, else the default)
-    policies: dict = field(default_factory=dict)  # batch size class (B.bit_length()) -> DepthController
+    policies: dict = field(default_factory=dict)  # (batch size class B.bit_length(), context band) -> DepthController
     options: dict = field(default_factory=dict)  # uid -> the server's MTPRequest (or None)
     heads: dict = field(default_factory=dict)  # uid -> HeadRow
     lengths: dict = field(default_factory=dict)  # uid -> tokens its prompt passes will process (``drafter.bound``)
     store: OrderedDict = field(default_factory=OrderedDict)  # tokens -> head of a finished request (``remember``)
+    indexes: deque = field(default_factory=lambda: deque(maxlen=STORED_INDEXES))  # ``lookup_index``'s copies
     lockstep: Lockstep | None = None  # a model sharded over ranks: rank 0 chooses the depth (``decoding.lockstep``)
     costs: CostTable | None = None  # the model's verify costs per batch size (``scheduler.costs_of``)
     lookup_prior: Chain | None = None  # sampled rows' lookup prior (``lookup.sampled_prior``)
@@ -119,13 +121,30 @@ class BatchContext:
             row.drafter.feed(hidden[:, : last - fed], following[: last - fed], fed)
         row.carry, row.whole, row.drafter.committed = hidden[:, last - fed : last - fed + 1], True, last
 
-    def policy(self, rows: int) -> DepthController:
-        """The depth policy of batches of ``rows`` rows (classes 1, 2-3, 4-7, …): one row starts at the tuned depth,
-        larger batches start parked."""
-        size = rows.bit_length()
-        if size not in self.policies:
-            self.policies[size] = DepthController(self.start if size == 1 else PLAIN)
-        return self.policies[size]
+    def lookup_index(self, tokens: list[int], fresh: ContextIndex) -> ContextIndex:
+        """A lookup index over a joining row's context ``tokens``: the latest kept one whose tokens ``tokens`` extend,
+        taken and extended with the rest, else ``fresh`` extended with all; a copy is kept for a later request that
+        extends these (a conversation's next turn), so that one indexes only its new tokens."""
+        index = next((i for i in reversed(self.indexes) if (i.n_min, i.n_max) == (fresh.n_min, fresh.n_max)
+                      and len(i.tokens) <= len(tokens) and tokens[: len(i.tokens)] == i.tokens), None)
+        if index is None:
+            index = fresh
+        else:
+            self.indexes.remove(index)
+        index.extend(tokens[len(index.tokens):])
+        self.indexes.append(index.copy())
+        return index
+
+    def policy(self, rows: int, context: int = 0) -> DepthController:
+        """The depth policy of batches of ``rows`` rows (classes 1, 2-3, 4-7, …) whose longest context holds ``context``
+        tokens (``options.context_band``): one row starts at the choice of its nearest shorter band, else at the
+        tuned depth; larger batches start parked."""
+        key = (rows.bit_length(), context_band(context))
+        if key not in self.policies:
+            shorter = [k for k in self.policies if k[0] == key[0] and k[1] < key[1]]
+            start = self.policies[max(shorter)].choice if shorter else self.start if key[0] == 1 else PLAIN
+            self.policies[key] = DepthController(start)
+        return self.policies[key]
 
 
 class BatchingModel:
@@ -478,7 +497,7 @@ class MTPGenerationBatch:
             self._fall_back(rows)
             return self.next()
         try:
-            policy = ctx.policy(len(self.rows))
+            policy = ctx.policy(len(self.rows), max(row.context + row.position for row in self.rows))
             depths, decisions = self._decide(ctx, policy)
             constrained = any(row.grammar is not None for row in self.rows)  # a mask needs the token before it
             late, self.queued_heads = self.queued_heads, False  # first tokens come before the head's prompt pairs
@@ -652,7 +671,7 @@ def join_row(ctx: BatchContext, uid: int, last: int, carry, sampler, processors,
     if wanted and sampling is not False:
         lookup = lookup_policy(asked.lookup, headless, ctx.lookup_prior if sampling is not None else None)
         if lookup is not None:
-            lookup.index.extend([*tokens, last])
+            lookup.index = ctx.lookup_index([*tokens, last], lookup.index)
     if not wanted or sampling is False:
         depth, sampling = 0, None
     elif headless:
@@ -663,7 +682,7 @@ def join_row(ctx: BatchContext, uid: int, last: int, carry, sampler, processors,
     grammar, processors = grammar_of(processors)
     row = Row(last, sampling=sampling, sampler=sampler, processors=processors,
               history=mx.array(tokens, dtype=mx.uint32) if processors else None, depth=depth, stats=stats,
-              schedule=RowState(lookup), grammar=grammar)
+              schedule=RowState(lookup), grammar=grammar, context=len(tokens) + 1)
     if headless:
         row.pending = PendingPairs(window=0)  # no head: no pairs kept
     if carry is not None:

@@ -66,11 +66,12 @@ def stream(server: Server, messages: list[dict], max_tokens: int) -> dict:
 
 
 def tool_results(count: int, file_tokens: int) -> list[str]:
-    """``count`` tool results: a real source file cut to about ``file_tokens`` tokens (4 characters each), then a
-    short test report, in turn."""
+    """``count`` tool results: a real source file cut to about ``file_tokens`` tokens (4 characters each; the next
+    modules follow a shorter one), then a short test report, in turn."""
     sources = [Path(importlib.import_module(m).__file__).read_text() for m in MODULES]
     files = [f"read_file returned {MODULES[i % len(MODULES)].replace('.', '/')}.py:\n"
-             f"{sources[i % len(sources)][: file_tokens * 4]}\n" for i in range(count)]
+             f"{''.join(sources[i % len(sources):] + sources[: i % len(sources)])[: file_tokens * 4]}\n"
+             for i in range(count)]
     return [files[i // 2] if i % 2 == 0 else f"run_tests returned: 3 passed, 1 failed ({MODULES[i // 2 % len(MODULES)]}"
             f" test {i}).\n" for i in range(count)]
 

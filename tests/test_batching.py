@@ -8,6 +8,7 @@ leaves must equal a replay of its tokens.
 
 import importlib
 import logging
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -34,7 +35,7 @@ from test_sampling import PROMPT, VOCAB, chi_square_p, exact_marginals
 from mtp_plugin.decoding import options as options_module
 from mtp_plugin.decoding import rollback
 from mtp_plugin.decoding.drafter import HISTORY_WINDOW
-from mtp_plugin.decoding.lookup import LookupSettings
+from mtp_plugin.decoding.lookup import ContextIndex, LookupSettings
 from mtp_plugin.decoding.options import MTPOptions
 
 # mlx-lm < 0.32 pollutes the GatedDeltaNet state of right-padded prompt rows (its ArraysCache mask ignores the
@@ -123,6 +124,45 @@ def test_rows_decode_as_stock_alone(trained, depth):
         assert set(options[0].stats.depths) == {depth}
 
 
+def test_a_batch_keeps_a_policy_per_context_band(trained):
+    """A one-row batch past 2048 tokens of context gets its own adaptive policy (``options.context_band``), started at
+    the shorter band's choice; the short band's is left as it was."""
+    model, tokenizer = trained
+    generator = mtp_generator(model)
+    ctx = model.mtp_head.batching
+    insert(generator, [tokenizer.encode(PROMPTS[0])], [8], [MTPRequest(True, 0, False)])
+    drain(generator, {})
+    short = ctx.policies[1, 0]
+    short.choice = short.running = 3  # as if it had settled there
+    before = list(short.cycles_at)
+    source = Path(importlib.import_module("mlx_lm.generate").__file__).read_text()
+    insert(generator, [tokenizer.encode(source)[:2100]], [8], [MTPRequest(True, 0, False)])
+    drain(generator, {})
+    assert {(1, 0), (1, 1)} <= set(ctx.policies) and short.cycles_at == before
+    assert ctx.policies[1, 1].choice == 3 and ctx.policies[1, 1].cycles_at[3] > 0
+
+
+def test_a_conversations_next_turn_indexes_only_its_new_tokens(trained, monkeypatch):
+    """The lookup index of a prompt is kept (``BatchContext.lookup_index``): a request whose prompt extends it indexes
+    only the tokens it adds, and decodes stock's tokens."""
+    model, tokenizer = trained
+    generator = mtp_generator(model)
+    extended = []
+    original = ContextIndex.extend
+    monkeypatch.setattr(ContextIndex, "extend", lambda self, tokens: extended.append(len(tokens)) or original(self,
+                                                                                                              tokens))
+    first = tokenizer.encode(PROMPTS[1])
+    results = {}
+    (uid,) = insert(generator, [first], [6], [MTPRequest(True, 1, True)])
+    drain(generator, results)
+    second = first + results[uid] + tokenizer.encode("\n    def load(self")
+    extended.clear()
+    (uid,) = insert(generator, [second], [6], [MTPRequest(True, 1, True)])
+    drain(generator, results)
+    assert extended[0] == len(second) - len(first)
+    assert results[uid] == stock_tokens(model, [second], [6])[0]
+
+
 def test_rows_decode_as_stock_alone_with_replayed_rollback(trained, monkeypatch):
     """Every cycle's GatedDeltaNet rollback replayed (``rollback.force("replay")``): rows that keep prefixes of
     different lengths are restored by one masked update per layer, and every row still decodes stock's tokens."""
@@ -170,7 +210,7 @@ def test_rows_join_and_leave_between_cycles(trained, monkeypatch, schedule):
     options = [MTPRequest(True, 2), MTPRequest(True, 2), MTPRequest(True, 3), None, None, MTPRequest(True, 1)]
     if schedule is not None:
         policy = Schedule(schedule)
-        monkeypatch.setattr(type(model.mtp_head.batching), "policy", lambda self, rows: policy)
+        monkeypatch.setattr(type(model.mtp_head.batching), "policy", lambda self, rows, context=0: policy)
         options = [None] * len(prompts)
     for i in range(len(prompts)):
         uids += insert(generator, prompts[i : i + 1], MAX_TOKENS[i : i + 1], options[i : i + 1])
@@ -195,7 +235,7 @@ def test_row_parked_past_the_window_keeps_only_its_last_pairs(trained, monkeypat
     tokens, and its head is not remembered for prompt-cache reuse (its history has a gap)."""
     model, tokenizer = trained
     generator = mtp_generator(model)
-    monkeypatch.setattr(type(model.mtp_head.batching), "policy", lambda self, rows: Schedule([0]))
+    monkeypatch.setattr(type(model.mtp_head.batching), "policy", lambda self, rows, context=0: Schedule([0]))
     model.mtp_head.batching.store.clear()
     prompt, n, results = tokenizer.encode(PROMPTS[1]), HISTORY_WINDOW + 8, {}
     (uid,) = insert(generator, [prompt], [n], [MTPRequest(lookup=False)])  # plain steps only while parked

@@ -44,6 +44,7 @@ class Row:
             (``Sampling.keyed`` draws).
         grammar: the row's ``grammar.Grammar`` (no processors then), which has consumed every generated token up to
             ``last`` and, during a cycle, the row's drafts; None: unconstrained.
+        context: tokens in the row's trunk cache when it joined, ``last`` included (its prompt, a reused prefix too).
     """
 
     last: int
@@ -58,6 +59,7 @@ class Row:
     schedule: RowState = field(default_factory=RowState)
     position: int = 0
     grammar: Grammar | None = None
+    context: int = 0
 
     def keep(self, hidden: mx.array, tokens: mx.array) -> None:
         """Committed pairs (hidden (1, n, H), tokens (n,)) for the head's next feed (``pending``)."""

@@ -29,6 +29,12 @@ class ContextIndex:
             for n in range(self.n_min, min(self.n_max, i) + 1):
                 self.follows[tuple(self.tokens[i - n : i])] = i
 
+    def copy(self) -> ContextIndex:
+        """An index of the same tokens that extends apart from this one."""
+        other = ContextIndex(self.n_min, self.n_max)
+        other.tokens, other.follows = list(self.tokens), dict(self.follows)
+        return other
+
     def propose(self, max_len: int, behind: bool = False) -> tuple[list[int], int]:
         """``(drafts, n)``: up to ``max_len`` ids to follow the newest token, from the longest match n (repeating with
         its period past the context's end); ``([], 0)`` if none of ``n_min`` or more. ``behind``: the newest token is
