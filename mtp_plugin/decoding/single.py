@@ -476,12 +476,13 @@ def generate(
         drafter.stop()
 
     # Prefill as plain decoding chunks it (all but the last prompt token, then the last, or all in one), a chunk cut
-    # where the head's window starts (not under KV quantization, which each pass's end may switch on).
+    # where the head's window starts; not under KV quantization (each pass's end may switch it on) nor through a
+    # runtime's own prompt pass (mlx-vlm's GatedDeltaNet may scan a multi-token pass in chunks of its own).
     total, done, carry = prompt.size, 0, None
     callback(0, total)
     while total - done > 1 and not one_pass:
         chunk = prompt[done : done + min(prefill_step_size, total - done - 1)]
-        if cache_step is None:  # a pass cut before KV quantization starts would attend over unquantized keys
+        if cache_step is None and getattr(trunk, "prompt", None) is None:  # see the comment above the loop
             chunk = chunk[: drafter.split(chunk.size, carry is not None)]
         carry = drafter.prefill(carry, trunk.hidden(chunk[None], cache), chunk)
         loop.after_pass()
