@@ -225,6 +225,20 @@ def test_media_prompt_greedy_identical_to_stock(trained_vlm_model, media, depth)
     assert stats.accepted > 0 or depth is None  # the adaptive controller may park on this CPU's timings
 
 
+def test_a_long_prompt_after_an_image_greedy_identical_to_stock(trained_vlm_model):
+    """An image, then source text past the head's window (``drafter.window``): the head is fed the window's pairs
+    through mlx-vlm's own prompt passes (multimodal positions), token for token mlx-vlm's output."""
+    from mtp_plugin.decoding import drafter
+
+    model, config, tokenizer, _ = trained_vlm_model
+    text = Path(importlib.import_module("mlx_lm.generate").__file__).read_text()[:6000]
+    prompt, pixel_values, keywords = media_prompt(config, tokenizer, "image", text)
+    assert len(prompt) > drafter.window(len(prompt)) + 100
+    plain = tokens(model, prompt, pixel_values, max_tokens=24, enable_mtp=False, **keywords)
+    assert tokens(model, prompt, pixel_values, max_tokens=24, mtp_depth=2, mtp_lookup=False, **keywords) == plain
+    assert model.mtp_head.stats.drafted > 0
+
+
 @pytest.mark.parametrize("depth", [2, None])
 def test_lookup_drafts_after_an_image_greedy_identical_to_stock(trained_vlm_model, depth):
     """Drafts from the context beside the head's after an image (the index holds the image's tokens too): mlx-vlm's
