@@ -149,6 +149,7 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, lookup=N
         "prefill_step_size": step or prompt_size,
         "prefill_history": not chunked,
         "one_pass": not chunked,
+        "cut_window": False,  # its GatedDeltaNet may scan a multi-token pass in chunks of its own
         "prompt_progress_callback": prefill_bar() if chunked and args.get("verbose") else None,
         "stats": loaded.stats,
         "lookup": lookup_policy(lookup, False, None if sampled is None else sampled_prior(model.language_model)),

@@ -418,6 +418,7 @@ def generate(
     prompt_progress_callback: Callable[[int, int], None] | None = None,
     prefill_history: bool = True,
     one_pass: bool = False,
+    cut_window: bool = True,
     stats: MTPStats | None = None,
     health: HeadHealth | None = None,
     cache_step: Callable[[list], int | None] | None = None,
@@ -442,6 +443,8 @@ def generate(
             alone is a grammar the drafts are made under (``grammar.grammar_of``).
         prefill_history: the processors see the whole prompt (mlx-lm ≥ 0.32); False: only its last token.
         one_pass: feed the prompt in one trunk pass, as mlx-vlm 0.6 does; else all but its last token, then the last.
+        cut_window: cut the prompt pass where the head's window starts (``Drafter.split``); False where a runtime's
+            passes must keep its own chunks (mlx-vlm).
         health: the head's ``head.health.HeadHealth``, which parks it on a non-finite output or too little acceptance.
         cache_step: the runtime's per-step cache hook (mlx-lm: KV quantization), run after each committed pass; it
             returns the most tokens the next pass may feed (None: no limit), which caps the depth.
@@ -476,13 +479,13 @@ def generate(
         drafter.stop()
 
     # Prefill as plain decoding chunks it (all but the last prompt token, then the last, or all in one), a chunk cut
-    # where the head's window starts; not under KV quantization (each pass's end may switch it on) nor through a
-    # runtime's own prompt pass (mlx-vlm's GatedDeltaNet may scan a multi-token pass in chunks of its own).
+    # where the head's window starts; not under KV quantization (each pass's end may switch it on) nor where the
+    # runtime asks for its own chunks (``cut_window``).
     total, done, carry = prompt.size, 0, None
     callback(0, total)
     while total - done > 1 and not one_pass:
         chunk = prompt[done : done + min(prefill_step_size, total - done - 1)]
-        if cache_step is None and getattr(trunk, "prompt", None) is None:  # see the comment above the loop
+        if cut_window and cache_step is None:
             chunk = chunk[: drafter.split(chunk.size, carry is not None)]
         carry = drafter.prefill(carry, trunk.hidden(chunk[None], cache), chunk)
         loop.after_pass()
