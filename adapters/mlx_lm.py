@@ -17,7 +17,9 @@ from .mlx_lm_decoding import (
     add_cli_flags,
     mtp_generate_step,
     print_summary,
+    stock_with_draft_model,
     structured_output,
+    with_cli_options,
 )
 from .mlx_lm_download import fetch_head_files
 from .mlx_lm_sampling import describe_samplers
@@ -67,7 +69,10 @@ def _patch_decoding():
     for module in (generate_module, mlx_lm):
         _patches.wrap(module, "generate", print_summary)
         _patches.wrap(module, "stream_generate", structured_output)
+        _patches.wrap(module, "stream_generate", stock_with_draft_model)
     _patches.wrap(generate_module, "setup_arg_parser", add_cli_flags)
+    _patches.wrap(generate_module, "main", functools.partial(with_cli_options, module=generate_module,
+                                                             calls=("generate",)))
 
 
 @hookimpl

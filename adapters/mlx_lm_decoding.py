@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import inspect
 import logging
@@ -14,10 +13,10 @@ import sys
 
 from mtp_plugin.decoding.grammar import response_format_processor
 from mtp_plugin.decoding.lockstep import Lockstep, group_of
-from mtp_plugin.decoding.lookup import MAX_LOOKUP, lookup_policy, sampled_prior
-from mtp_plugin.decoding.options import MTPOptions, command_line, depth_policy, resolve, set_command_line
-from mtp_plugin.decoding.scheduler import costs_of
+from mtp_plugin.decoding.lookup import MAX_LOOKUP, lookup_policy
+from mtp_plugin.decoding.options import MTPOptions, depth_policy
 from mtp_plugin.decoding.single import MAX_DEPTH
+from mtp_plugin.decoding.state import state_of
 from mtp_plugin.decoding.stats import MTPStats
 from mtp_plugin.plugins import hook
 
@@ -55,7 +54,8 @@ def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured
     cache = make_prompt_cache(model, max_kv_size=kwargs["max_kv_size"]) if cache is None else cache
     max_tokens = kwargs["max_tokens"]
     sampled = sampler is not None and SAMPLINGS[sampler] is not None
-    lookup = lookup_policy(lookup, loaded is None, sampled_prior(model) if sampled else None)
+    scheduler = state_of(model, loaded).scheduler
+    lookup = lookup_policy(lookup, loaded is None, scheduler.lookup_prior if sampled else None)
     if loaded is None and (lookup is None or not (captured or all(c.is_trimmable() for c in cache))):
         return None
     for c in cache:
@@ -70,7 +70,7 @@ def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured
         policy = 1  # no head: never asked (the loop drafts from the context or steps plain)
     else:
         context = len(prompt) + max((c.offset for c in cache if hasattr(c, "offset")), default=0)
-        policy = depth_policy(depth, loaded, 0.0 if sampling is None else sampling.temp, context)  # raises if bad
+        policy = depth_policy(depth, scheduler, 0.0 if sampling is None else sampling.temp, context)  # raises if bad
     stats = MTPStats(None if loaded is None else policy if isinstance(policy, int) else getattr(policy, "depth", None),
                      headless=loaded is None)
     if loaded is not None:
@@ -87,7 +87,7 @@ def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured
         "prefill_history": PREFILL_IN_HISTORY,
         "stats": stats,
         "lookup": lookup,
-        "costs": costs_of(model).of(1),
+        "scheduler": scheduler,
         "cache_step": kv_quantizer(kwargs["kv_bits"], kwargs["kv_group_size"], kwargs["quantized_kv_start"]),
     }
 
@@ -136,7 +136,7 @@ def mtp_generate_step(generate_step, captured: dict[str, bool]):
         model_type = loaded.location.model_type if loaded is not None else getattr(model, "model_type", None)
         if loaded is not None:
             loaded.stats = None  # this generation's counters, None unless it decodes with MTP
-        asked = resolve(enable_mtp, mtp_depth, mtp_lookup)
+        asked = MTPOptions().over(enable_mtp, mtp_depth, mtp_lookup)
         if asked.enabled and loaded is None and not asked.lookup:
             warn_headless(model, asked.depth)
         options = None
@@ -144,8 +144,8 @@ def mtp_generate_step(generate_step, captured: dict[str, bool]):
         if asked.enabled and (loaded is not None or group_of(model) is None) and rollback_ready(captured, model_type):
             options = decoding_options(model, loaded, prompt, asked.depth, {**defaults, **kwargs}, asked.lookup,
                                        captured.get(model_type, False))
-        if loaded is None and (options is not None or hasattr(model, "mtp_lookup_stats")):
-            model.mtp_lookup_stats = None if options is None else options["stats"]  # a model without a head
+        if loaded is None and (options is not None or hasattr(model, "mtp_state")):
+            state_of(model, None).lookup_stats = None if options is None else options["stats"]  # a model without a head
         if loaded is not None and not agreed(model, loaded, prompt, options, kwargs.get("sampler"), stream):
             options = loaded.stats = None
         if options is not None:
@@ -201,12 +201,12 @@ def print_summary(generate):
         if loaded is not None:
             loaded.stats = None
             # a draft model: mlx-lm's speculative decoding, stock
-            asked = resolve(kwargs.get("enable_mtp"), kwargs.get("mtp_depth"))
+            asked = MTPOptions().over(kwargs.get("enable_mtp"), kwargs.get("mtp_depth"))
             enabled = asked.enabled and kwargs.get("draft_model") is None
             if kwargs.get("verbose") and enabled:
                 announce(loaded, asked.depth)
         text = generate(model, tokenizer, prompt, *args, **kwargs)
-        stats = loaded.stats if loaded is not None else getattr(model, "mtp_lookup_stats", None)
+        stats = loaded.stats if loaded is not None else lookup_stats(model)
         if kwargs.get("verbose") and stats is not None:
             print(stats.summary())
         return text
@@ -229,6 +229,20 @@ def structured_output(stream_generate):
     return wrapper
 
 
+def stock_with_draft_model(stream_generate):
+    """Wrap ``stream_generate``: with a ``draft_model`` (mlx-lm's own speculative decoding, stock) the MTP keywords
+    (``enable_mtp``, ``mtp_depth``, ``mtp_lookup``, which the command line passes as its flags) are not passed on."""
+
+    @functools.wraps(stream_generate)
+    def wrapper(*args, **kwargs):
+        if kwargs.get("draft_model") is not None:
+            for name in MTPOptions().keywords():
+                kwargs.pop(name, None)
+        return stream_generate(*args, **kwargs)
+
+    return wrapper
+
+
 GENERATE_HELP = {
     "depth": f"MTP draft depth 1-{MAX_DEPTH} (0: adaptive). Needs a checkpoint with an MTP head.",
     "off": "Decode without the MTP head even if the checkpoint has one.",
@@ -239,23 +253,61 @@ GENERATE_HELP = {
 
 
 class _SetCLI(argparse.Action):
-    """Store the option's value (or ``const`` for a flag) in the namespace and in the command line's MTP options
-    (``options.set_command_line``); warn once when ``--no-mtp`` makes another MTP flag moot (``conflict``); ``server``:
-    the parser is a server's."""
+    """Store the option's value (or ``const`` for a flag) in the namespace; warn once when ``--no-mtp`` makes another
+    MTP flag moot (``conflict``); ``server``: the parser is a server's."""
 
     def __init__(self, *args, server: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.server = server
 
     def __call__(self, parser, namespace, values, option_string=None):
-        value = self.const if self.nargs == 0 else values
-        setattr(namespace, self.dest, value)
-        values = {f.name: getattr(command_line(), f.name) for f in dataclasses.fields(MTPOptions)}
-        set_command_line(**{**values, self.dest: value})
-        problem = conflict(command_line(), self.server)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+        problem = conflict(command_line_options(namespace), self.server)
         if problem and not getattr(namespace, "mtp_conflict_told", False):
             namespace.mtp_conflict_told = True
             print(f"mtp_plugin: {problem}", file=sys.stderr)
+
+
+def command_line_options(namespace) -> MTPOptions:
+    """The MTP options of a parsed command line (``add_mtp_arguments``' flags; the plugin's defaults where it has
+    none of them)."""
+    return MTPOptions().over(getattr(namespace, "enable_mtp", None), getattr(namespace, "mtp_depth", None),
+                             getattr(namespace, "mtp_lookup", None))
+
+
+def with_cli_options(main, module, calls: tuple[str, ...]):
+    """Wrap a runtime CLI's ``main``: the MTP options its command line parses (``command_line_options``) reach the
+    generation calls it makes through ``module``'s functions ``calls`` as their keywords (a call's own win)."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        parse_args, parsed = argparse.ArgumentParser.parse_args, []
+        originals = {name: getattr(module, name) for name in calls if hasattr(module, name)}
+
+        def recording(parser, *a, **k):
+            namespace = parse_args(parser, *a, **k)
+            if hasattr(namespace, "enable_mtp"):  # the parser with the MTP flags
+                parsed.append(command_line_options(namespace))
+            return namespace
+
+        def keyworded(call):
+            @functools.wraps(call)
+            def with_options(*a, **k):
+                return call(*a, **{**(parsed[-1].keywords() if parsed else {}), **k})
+
+            return with_options
+
+        argparse.ArgumentParser.parse_args = recording
+        for name, call in originals.items():
+            setattr(module, name, keyworded(call))
+        try:
+            return main(*args, **kwargs)
+        finally:
+            argparse.ArgumentParser.parse_args = parse_args
+            for name, call in originals.items():
+                setattr(module, name, call)
+
+    return wrapper
 
 
 def conflict(options: MTPOptions, server: bool) -> str | None:
@@ -273,15 +325,16 @@ def conflict(options: MTPOptions, server: bool) -> str | None:
 
 def add_mtp_arguments(parser, helps: dict = GENERATE_HELP, server: bool = False) -> None:
     """Add ``--mtp-depth N``, ``--no-mtp``, ``--mtp-lookup`` and ``--no-mtp-lookup`` to a runtime's parser (or an
-    argument group of it), with ``helps`` (keys ``depth``, ``off``, ``lookup``, ``no_lookup``); parsing them sets the
-    command line's MTP options; ``server``: a server's parser (``conflict``)."""
-    parser.add_argument("--mtp-depth", dest="depth", type=int, default=0, action=_SetCLI, metavar="N",
+    argument group of it), with ``helps`` (keys ``depth``, ``off``, ``lookup``, ``no_lookup``); the namespace holds them
+    as ``mtp_depth``, ``enable_mtp``, ``mtp_lookup`` (``command_line_options``); ``server``: a server's parser
+    (``conflict``)."""
+    parser.add_argument("--mtp-depth", dest="mtp_depth", type=int, default=0, action=_SetCLI, metavar="N",
                         choices=range(MAX_DEPTH + 1), help=helps["depth"], server=server)
-    parser.add_argument("--no-mtp", dest="enabled", action=_SetCLI, nargs=0, const=False, default=True,
+    parser.add_argument("--no-mtp", dest="enable_mtp", action=_SetCLI, nargs=0, const=False, default=True,
                         help=helps["off"], server=server)
-    parser.add_argument("--mtp-lookup", dest="lookup", action=_SetCLI, nargs=0, const=True, default=None,
+    parser.add_argument("--mtp-lookup", dest="mtp_lookup", action=_SetCLI, nargs=0, const=True, default=None,
                         help=helps["lookup"], server=server)
-    parser.add_argument("--no-mtp-lookup", dest="lookup", action=_SetCLI, nargs=0, const=False, default=None,
+    parser.add_argument("--no-mtp-lookup", dest="mtp_lookup", action=_SetCLI, nargs=0, const=False, default=None,
                         help=helps["no_lookup"], server=server)
 
 
@@ -295,6 +348,12 @@ def add_cli_flags(setup_arg_parser):
         return parser
 
     return wrapper
+
+
+def lookup_stats(model):
+    """The counters of the latest generation of a model without a head that drafted from the context (else None)."""
+    state = getattr(model, "mtp_state", None)
+    return None if state is None else state.lookup_stats
 
 
 def announce(loaded, depth: int) -> None:

@@ -1,19 +1,23 @@
 """mlx-lm adapter, server side: ``mlx_lm.server --plugin mtp [--mtp-depth N] [--no-mtp] [--[no-]mtp-lookup]``; the
-request options ``enable_mtp`` / ``mtp_depth`` / ``mtp_lookup``, carried on ``GenerationArguments.mtp`` from the HTTP
-handler thread to the generation thread; batched MTP rows; ``timings`` counters. Design: docs/mlx-lm-server.md."""
+request options ``enable_mtp`` / ``mtp_depth`` / ``mtp_lookup`` and ``response_format``, resolved against the server's
+flags where the request is parsed and carried with it (the request, its ``GenerationArguments.mtp``, its logits
+processors: ``RequestProcessors``) to the generation thread; batched MTP rows; ``timings`` counters. Design:
+docs/mlx-lm-server.md."""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import importlib
+import inspect
 import json
-import threading
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 from mtp_plugin.decoding.grammar import GrammarError, GrammarProcessor, response_format_grammar, tokenizer_of
-from mtp_plugin.decoding.options import MTPOptions, resolve
+from mtp_plugin.decoding.options import MTPOptions
 from mtp_plugin.decoding.single import MAX_DEPTH
+from mtp_plugin.decoding.state import state_of
 from mtp_plugin.decoding.stats import MTPStats
 
 from .mlx_lm_batching import (
@@ -24,13 +28,11 @@ from .mlx_lm_batching import (
     log_summary,
     start_generation,
 )
-from .mlx_lm_decoding import add_mtp_arguments
+from .mlx_lm_decoding import add_mtp_arguments, command_line_options, lookup_stats
 
+log = logging.getLogger("mtp_plugin")
 PLUGIN_NAMES = ("mtp",)
 SERVING = "mtp_serving"  # set on the server's own LRUPromptCache (``serving_cache``)
-_handler = threading.local()  # the MTP options of the request being parsed on this handler thread
-_serving = threading.local()  # the MTP options of the request being served on the generation thread
-_routing = threading.local()  # the MTP options of the request the generation thread is about to batch
 
 
 class MTPRequestError(ValueError):
@@ -39,32 +41,39 @@ class MTPRequestError(ValueError):
 
 @dataclass
 class MTPRequest:
-    """A request's ``enable_mtp`` / ``mtp_depth`` / ``mtp_lookup`` (None, and depth 0: the server's default, resolved by
-    ``options.resolve``), the grammar its ``response_format`` asks for (llguidance text, None: free text) and, once
-    served, its counters (``stats``: None when it did not decode with MTP)."""
+    """A request's ``enable_mtp`` / ``mtp_depth`` / ``mtp_lookup`` (None, and depth 0: the server's ``defaults``, its
+    command line's options), the grammar its ``response_format`` asks for (llguidance text, None: free text), once
+    tokenized its grammar's processor (``start``) and, once served, its counters (``stats``: None when it did not
+    decode with MTP)."""
 
     enabled: bool | None = None
     depth: int | None = None
     lookup: bool | None = None
     stats: MTPStats | None = None
     grammar: str | None = None
+    defaults: MTPOptions = field(default_factory=MTPOptions)
+    processor: GrammarProcessor | None = None
 
-    def processor(self, tokenizer) -> GrammarProcessor | None:
-        """A fresh ``grammar.GrammarProcessor`` of the request's grammar over ``tokenizer``, or None."""
-        return None if self.grammar is None else GrammarProcessor(tokenizer_of(tokenizer), self.grammar)
-
-    @property
-    def wanted(self) -> bool:
-        """Whether the request asks for MTP (explicitly or by the server default)."""
-        return self.resolved().enabled
+    def start(self, tokenizer) -> None:
+        """The request is tokenized by ``tokenizer``: a fresh ``grammar.GrammarProcessor`` of its grammar over it."""
+        if self.grammar is not None:
+            self.processor = GrammarProcessor(tokenizer_of(tokenizer), self.grammar)
 
     def resolved(self) -> MTPOptions:
-        """The request's options over the server's (``options.resolve``)."""
-        return resolve(self.enabled, self.depth, self.lookup)
+        """The request's options over the server's (``MTPOptions.over``)."""
+        return self.defaults.over(self.enabled, self.depth, self.lookup)
 
 
-def parse_request(body: dict) -> MTPRequest:
-    """The MTP options and ``response_format`` grammar of a request body.
+class RequestProcessors(list):
+    """A request's logits processors as the server makes them (its ``response_format``'s grammar processor last),
+    carrying the request's ``MTPRequest`` (``mtp``) wherever the server hands them: a plain list to mlx-lm."""
+
+    mtp: MTPRequest | None = None
+
+
+def parse_request(body: dict, defaults: MTPOptions | None = None) -> MTPRequest:
+    """The MTP options and ``response_format`` grammar of a request body, over the server's ``defaults`` (None: the
+    plugin's).
 
     Raises:
         MTPRequestError: ``enable_mtp`` or ``mtp_lookup`` not a boolean, ``mtp_depth`` not an integer in 0..8, or a
@@ -80,7 +89,7 @@ def parse_request(body: dict) -> MTPRequest:
         grammar = response_format_grammar(body.get("response_format"))
     except GrammarError as e:
         raise MTPRequestError(f"response_format: {e}") from None
-    return MTPRequest(enabled, depth, lookup, grammar=grammar)
+    return MTPRequest(enabled, depth, lookup, grammar=grammar, defaults=defaults or MTPOptions())
 
 
 SERVER_HELP = {  # mlx-lm's server decodes with MTP by default
@@ -93,11 +102,11 @@ SERVER_HELP = {  # mlx-lm's server decodes with MTP by default
 }
 
 
-def with_mtp_flags(main, helps: dict = SERVER_HELP):
+def with_mtp_flags(main, helps: dict = SERVER_HELP, parsed=None):
     """Wrap a server's ``main`` (``mlx_lm.server``, ``mlx_vlm.server``): the parser it builds and parses first gets an
     "MTP" group (``--plugin``, and ``add_mtp_arguments``' flags with ``helps``, keys ``plugin``, ``depth``, ``off``,
-    ``lookup``, ``no_lookup``) just before parsing, so ``--help`` prints one usage block and the flags set the
-    command line's options (``options.set_command_line``)."""
+    ``lookup``, ``no_lookup``) just before parsing, so ``--help`` prints one usage block; the parsed namespace holds
+    them (``mlx_lm_decoding.command_line_options``) and is given to ``parsed(namespace)`` (None: nothing)."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -108,7 +117,10 @@ def with_mtp_flags(main, helps: dict = SERVER_HELP):
             group = parser.add_argument_group("MTP (mtp_plugin)")
             group.add_argument("--plugin", action="append", choices=PLUGIN_NAMES, default=[], help=helps["plugin"])
             add_mtp_arguments(group, helps, server=True)
-            return parse_args(parser, *a, **k)
+            namespace = parse_args(parser, *a, **k)
+            if parsed is not None:
+                parsed(namespace)
+            return namespace
 
         argparse.ArgumentParser.parse_args = with_group
         try:
@@ -121,8 +133,9 @@ def with_mtp_flags(main, helps: dict = SERVER_HELP):
 
 
 def read_request_options(validate):
-    """Wrap ``APIHandler.validate_model_parameters``: also read and validate the request's MTP options, and refuse an
-    empty completion prompt (mlx-lm's generation thread dies on one, and every later request with it)."""
+    """Wrap ``APIHandler.validate_model_parameters``: also read and validate the request's MTP options over the server's
+    flags, and refuse an empty completion prompt (mlx-lm's generation thread dies on one, and every later request
+    with it)."""
 
     @functools.wraps(validate)
     def wrapper(self, *args, **kwargs):
@@ -130,7 +143,20 @@ def read_request_options(validate):
         prompt = self.body.get("prompt")
         if isinstance(prompt, (str, list)) and not prompt:
             raise MTPRequestError("prompt is empty: send at least one token")
-        self.mtp_request = _handler.request = parse_request(self.body)
+        defaults = command_line_options(self.response_generator.model_provider.cli_args)
+        self.mtp_request = parse_request(self.body, defaults)
+
+    return wrapper
+
+
+def carry_from_handler(handle_completion):
+    """Wrap ``APIHandler.handle_completion(request, ...)``: the request it hands the generation thread carries its MTP
+    options (``mtp``)."""
+
+    @functools.wraps(handle_completion)
+    def wrapper(self, request, *args, **kwargs):
+        request.mtp = getattr(self, "mtp_request", None)
+        return handle_completion(self, request, *args, **kwargs)
 
     return wrapper
 
@@ -151,27 +177,45 @@ def answer_bad_options(do_post):
 
 
 def carry_request_options(generate):
-    """Wrap ``ResponseGenerator.generate``: attach the handler thread's MTP options to ``generation_args``."""
+    """Wrap ``ResponseGenerator.generate(request, generation_args, ...)``: the request's MTP options ride on
+    ``generation_args`` (``mtp``; a request no handler parsed gets the server's defaults)."""
 
     @functools.wraps(generate)
-    def wrapper(self, *args, **kwargs):
-        generation_args = kwargs.get("generation_args", args[1] if len(args) > 1 else None)
+    def wrapper(self, request, *args, **kwargs):
+        generation_args = kwargs.get("generation_args", args[0] if args else None)
         if generation_args is not None:
-            generation_args.mtp = getattr(_handler, "request", None) or MTPRequest()
-        return generate(self, *args, **kwargs)
+            generation_args.mtp = getattr(request, "mtp", None) or MTPRequest(
+                defaults=command_line_options(self.model_provider.cli_args))
+        return generate(self, request, *args, **kwargs)
 
     return wrapper
 
 
-def remember_options(is_batchable):
-    """Wrap ``ResponseGenerator._is_batchable``: keep the request's MTP options for the batch row it may become
-    (mlx-lm asks this on the generation thread right before it inserts the request)."""
+def start_request(tokenize):
+    """Wrap ``ResponseGenerator._tokenize(tokenizer, request, args)``: the request's grammar processor is made for the
+    tokenizer that tokenized it (``MTPRequest.start``)."""
 
-    @functools.wraps(is_batchable)
-    def wrapper(self, generation_args, *args, **kwargs):
-        _routing.options = getattr(generation_args, "mtp", None)
-        _routing.provider = self.model_provider  # its tokenizer, once loaded, for a response_format's grammar
-        return is_batchable(self, generation_args, *args, **kwargs)
+    @functools.wraps(tokenize)
+    def wrapper(self, tokenizer, request, args, *rest, **kwargs):
+        options = getattr(args, "mtp", None)
+        if options is not None:
+            options.start(tokenizer)
+        return tokenize(self, tokenizer, request, args, *rest, **kwargs)
+
+    return wrapper
+
+
+def request_processors(make_logits_processors):
+    """Wrap the server's ``_make_logits_processors(args)``: a ``RequestProcessors`` carrying the request's MTP options,
+    its ``response_format`` grammar processor after mlx-lm's own (MTP or not)."""
+
+    @functools.wraps(make_logits_processors)
+    def wrapper(args, *rest, **kwargs):
+        processors = RequestProcessors(make_logits_processors(args, *rest, **kwargs) or [])
+        processors.mtp = getattr(args, "mtp", None)
+        if processors.mtp is not None and processors.mtp.processor is not None:
+            processors.append(processors.mtp.processor)
+        return processors
 
     return wrapper
 
@@ -186,87 +230,82 @@ def batch_with_mtp(batch_generator):
         generator = batch_generator(wrapped or model, *args, **kwargs)
         if wrapped is not None:
             generator._generation_batch = MTPGenerationBatch.empty(wrapped, generator.sampler)
-            served = getattr(_routing, "contexts", None)
-            if served is not None and not any(ctx is wrapped.mtp_batching for ctx in served):
-                served.append(wrapped.mtp_batching)
         return generator
 
     return make
 
 
 def summarize_on_stop(generation_loop):
-    """Wrap ``ResponseGenerator._generate`` (the generation thread): when the server stops, log one INFO line per
-    head that decoded batched cycles."""
+    """Wrap ``ResponseGenerator._generate`` (the generation thread): when the server stops, log one INFO line on the
+    batched cycles of the model it served last."""
 
     @functools.wraps(generation_loop)
     def wrapper(self, *args, **kwargs):
-        _routing.contexts = []
         try:
             return generation_loop(self, *args, **kwargs)
         finally:
-            for ctx in _routing.contexts:
-                log_summary(ctx)
+            state = getattr(getattr(self.model_provider, "model", None), "mtp_state", None)
+            if state is not None and state.batching is not None:
+                log_summary(state.batching)
 
     return wrapper
 
 
 def attach_options(insert_segments):
-    """Wrap ``BatchGenerator.insert_segments``: a request's ``response_format`` grammar joins its row's logits
-    processors (MTP or not), and an MTP generator keeps each new row's request options and prompt length."""
+    """Wrap ``BatchGenerator.insert_segments``: an MTP generator keeps each new row's request options (carried by its
+    ``RequestProcessors``) and prompt length."""
+    signature = inspect.signature(insert_segments)
 
     @functools.wraps(insert_segments)
     def wrapper(self, *args, **kwargs):
-        options = getattr(_routing, "options", None)
-        if options is not None and options.grammar is not None:  # the server inserts one request at a time
-            grammar = options.processor(_routing.provider.tokenizer)
-            kwargs["logits_processors"] = [[*(kwargs.get("logits_processors") or [[]])[0], grammar]]
         uids = insert_segments(self, *args, **kwargs)
         ctx = context_of(self)
         if ctx is not None:
-            segments = args[0] if args else kwargs["segments"]
-            for uid, parts in zip(uids, segments, strict=True):
-                ctx.options[uid] = getattr(_routing, "options", None)
+            bound = signature.bind(self, *args, **kwargs).arguments
+            processors = bound.get("logits_processors") or [None] * len(uids)
+            for uid, parts, carried in zip(uids, bound["segments"], processors, strict=True):
+                ctx.options[uid] = getattr(carried, "mtp", None)
                 ctx.lengths[uid] = sum(map(len, parts))
         return uids
 
     return wrapper
 
 
-def serve_with_options(serve_single):
-    """Wrap ``ResponseGenerator._serve_single``: make the request's MTP options current on this thread."""
-
-    @functools.wraps(serve_single)
-    def wrapper(self, request, *args, **kwargs):
-        _serving.request = getattr(request[2], "mtp", None)
-        try:
-            return serve_single(self, request, *args, **kwargs)
-        finally:
-            _serving.request = None
-
-    return wrapper
-
-
 def pass_options(stream_generate):
-    """Wrap the server's ``stream_generate``: pass the current request's MTP options to ``generate_step`` and
-    keep the counters of its generation on the request (a model without a head: when it drafts from the context)."""
+    """Wrap the server's ``stream_generate``: pass the request's MTP options (carried by its ``RequestProcessors``) to
+    ``generate_step`` and keep the counters of its generation on the request (a model without a head: when it drafts
+    from the context)."""
 
     @functools.wraps(stream_generate)
     def wrapper(model, tokenizer, prompt, *args, **kwargs):
-        options = getattr(_serving, "request", None)
-        grammar = None if options is None else options.processor(tokenizer)
-        if grammar is not None:
-            kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or []), grammar]
+        request = getattr(kwargs.get("logits_processors"), "mtp", None)
+        options = None if request is None else request.resolved()
         loaded = getattr(model, "mtp_head", None)
-        headless_off = loaded is None and not (options is not None and options.resolved().lookup)
+        headless_off = loaded is None and not (options is not None and options.lookup)
         if options is None or headless_off or kwargs.get("draft_model") is not None:
             yield from stream_generate(model, tokenizer, prompt, *args, **kwargs)  # a draft model: stock
             return
         if loaded is not None:
             loaded.stats = None
-        kwargs.update(enable_mtp=options.wanted, mtp_depth=options.depth or None, mtp_lookup=options.lookup)
+        kwargs.update(enable_mtp=options.enabled, mtp_depth=options.depth or None, mtp_lookup=options.lookup)
         for response in stream_generate(model, tokenizer, prompt, *args, **kwargs):
-            options.stats = loaded.stats if loaded is not None else getattr(model, "mtp_lookup_stats", None)
+            request.stats = loaded.stats if loaded is not None else lookup_stats(model)
             yield response
+
+    return wrapper
+
+
+def serve_defaults(load):
+    """Wrap ``ModelProvider.load``: the model it loads is served with the server's flags (``ModelState.serving``: a
+    model without a head batches lookup drafts under ``--mtp-lookup``)."""
+
+    @functools.wraps(load)
+    def wrapper(self, *args, **kwargs):
+        result = load(self, *args, **kwargs)
+        model = getattr(self, "model", None)
+        if model is not None:
+            state_of(model, getattr(model, "mtp_head", None)).serving = command_line_options(self.cli_args)
+        return result
 
     return wrapper
 
@@ -330,12 +369,14 @@ def patch_server(patches, server) -> None:
     patches.wrap(server.APIHandler, "validate_model_parameters", read_request_options)
     patches.wrap(server.APIHandler, "generate_response", report_counters)
     patches.wrap(server.APIHandler, "completion_usage_response", report_counters)
+    patches.wrap(server.APIHandler, "handle_completion", carry_from_handler)
     patches.wrap(server.ResponseGenerator, "generate", carry_request_options)
-    patches.wrap(server.ResponseGenerator, "_is_batchable", remember_options)
+    patches.wrap(server.ResponseGenerator, "_tokenize", start_request)
+    patches.wrap(server, "_make_logits_processors", request_processors)
+    patches.wrap(server.ModelProvider, "load", serve_defaults)
     patches.wrap(server.BatchGenerator, "insert_segments", attach_options)
     generate = importlib.import_module("mlx_lm.generate")  # ``mlx_lm.generate`` is also a function
     patches.wrap(generate.PromptProcessingBatch, "prompt", capture_prompt)
     patches.wrap(generate.PromptProcessingBatch, "generate", start_generation)
     patches.wrap(server, "BatchGenerator", batch_with_mtp)
     patches.wrap(server.ResponseGenerator, "_generate", summarize_on_stop)
-    patches.wrap(server.ResponseGenerator, "_serve_single", serve_with_options)

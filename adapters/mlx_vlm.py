@@ -12,6 +12,7 @@ import threading
 from mtp_plugin.hookspecs import hookimpl
 
 from . import capture
+from .mlx_lm_decoding import with_cli_options
 from .mlx_vlm_decoding import cli_argparse, mtp_generate_step, print_summary
 from .mlx_vlm_server import patch_server
 from .patching import Patches, keep_head, version_in_range, wrap_sanitizers
@@ -54,6 +55,9 @@ def _patch_decoding():
     for module in (dispatch, package, mlx_vlm):
         _patches.wrap(module, "generate", print_summary)
     _patches.wrap(dispatch, "argparse", cli_argparse)
+    with_options = functools.partial(with_cli_options, module=dispatch, calls=("generate", "stream_generate"))
+    for module in (dispatch, importlib.import_module("mlx_vlm.generate.cli"), package):
+        _patches.wrap(module, "main", with_options)
     return captured
 
 

@@ -1,31 +1,31 @@
 """mlx-vlm adapter, continuous batching: MTP cycles inside mlx-vlm's own ``BatchGenerator`` on a ``BatchingModel``. Its
 prompt batches also feed each row's head (media embeddings and multimodal positions included); the generation
-batch they hand over becomes a ``VLMGenerationBatch``, the mlx-lm adapter's ``MTPGenerationBatch`` on mlx-vlm's
-caches, rope deltas, stop rule and responses. Design: docs/mlx-vlm.md#server."""
+batch they hand over becomes a ``VLMGenerationBatch``, mlx-vlm's ``GenerationBatch`` interface over the engine's
+``decoding.continuous.BatchLoop`` with mlx-vlm's caches, rope deltas, stop rule and responses (``VLMRuntime``).
+Design: docs/mlx-vlm.md#server."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import importlib
-import logging
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mtp_plugin.decoding.batch import BatchDrafter
+from mtp_plugin.decoding.batch import BatchDrafter, Row
+from mtp_plugin.decoding.batching import BatchingState
+from mtp_plugin.decoding.continuous import BatchLoop, new_row
 from mtp_plugin.decoding.drafter import Drafter
 from mtp_plugin.decoding.grammar import GrammarProcessor
-from mtp_plugin.decoding.lookup import sampled_prior
-from mtp_plugin.decoding.scheduler import Decision, costs_of
-from mtp_plugin.decoding.single import DEFAULT_DEPTH, MAX_DEPTH
+from mtp_plugin.decoding.options import MTPOptions
+from mtp_plugin.decoding.state import state_of
 from mtp_plugin.decoding.trunk import PromptInputs, StackTrunk
-from mtp_plugin.tuning import start_depth
 
-from .mlx_lm_batching import MAX_LOOKUP, BatchContext, MTPGenerationBatch, context_of, join_row
+from .loop_batch import LoopBatch, context_of
+from .mlx_lm_sampling import SAMPLINGS
 from .patching import release
 
-log = logging.getLogger("mtp_plugin")
 # mlx-vlm 0.7 runs a multi-token pass over left-padded caches as one batched pass when asked for captured layers (as its
 # own drafter's verify does), else one pass per row on copies of the caches; 0.6 also switches its GatedDeltaNet layers
 # to its own verify mode then, so there the passes run per row.
@@ -69,8 +69,8 @@ class PromptHead:
 
 
 @dataclass
-class VLMBatching(BatchContext):
-    """``BatchContext`` of an mlx-vlm model: also the server's generator settings each generation batch needs."""
+class VLMBatching(BatchingState):
+    """``BatchingState`` of an mlx-vlm model: also the server's generator settings each generation batch needs."""
 
     model: object = None  # the full mlx-vlm model (``language_model``, ``mtp_head``)
     generator: dict = field(default_factory=dict)  # sampler, stop rule, logprob settings of the current generator
@@ -101,18 +101,18 @@ def batching_context(model, loaded) -> VLMBatching | None:
     stock: a head whose contract reads pre-norm hidden states (prompt passes give post-norm ones), or after a fault."""
     if loaded.module.contract.hidden != "post_norm":
         return None
-    ctx = loaded.batching
+    from mlx_vlm.models.cache import KVCache
+
+    state = state_of(model.language_model, loaded)
+    ctx = state.batching
     if ctx is None:
         trunk = VLMBatchTrunk(model, loaded.module.contract)
-        start = start_depth(loaded.location.model_dir, DEFAULT_DEPTH, MAX_DEPTH)
-        ctx = loaded.batching = VLMBatching(trunk, BatchDrafter(trunk, loaded.module), loaded.health, start,
-                                            costs=costs_of(model.language_model),
-                                            lookup_prior=sampled_prior(model.language_model), model=model)
+        ctx = state.batching = VLMBatching(trunk, BatchDrafter(trunk, loaded.module), loaded.health, state.scheduler,
+                                           KVCache, model=model)
     if ctx.failed:
         return None
     ctx.drafter.vocab = loaded.draft_vocab
-    ctx.options.clear()  # request ids restart with each generator
-    ctx.heads.clear()
+    ctx.restart()  # request ids restart with each generator
     return ctx
 
 
@@ -206,158 +206,147 @@ def _batched(caches: list) -> list:
             for c in caches]
 
 
-class VLMGenerationBatch(MTPGenerationBatch):
-    """mlx-vlm's ``GenerationBatch`` interface (``uids``, ``prompt_cache``, ``extend``, ``filter``, ``next``,
-    ``cache_states``) decoding every row with MTP cycles. A row joins with its first token drawn by the prompt batch
-    (``fresh``): the next call emits it first. ``deltas`` (B, 1): the rows' rope deltas (None: text positions)."""
+@dataclass
+class VLMRow:
+    """What mlx-vlm's side of a row keeps (``Row.extra``): whether its first token, drawn by the prompt batch, is still
+    to be emitted (``fresh``) and that token's log-prob and top log-probs (``first``); its prompt keywords; its rope
+    delta (1, 1) (None: text positions); its logits processors as mlx-vlm gave them."""
+
+    fresh: bool
+    first: tuple
+    prompt: dict
+    delta: mx.array | None
+    processors: list
+
+
+class VLMRuntime:
+    """mlx-vlm's side of ``decoding.continuous.Runtime``: its stop rule, its responses (log-probs read for the whole
+    batch at once), its caches' ``_extend_cache``, the rows' rope deltas given to the trunk before each pass; no
+    lookup drafts while a prompt waits for its prefill (``VLMBatching.waiting``)."""
+
+    batched_verify = ONE_BATCHED_PASS
+
+    def __init__(self, ctx: VLMBatching, settings: dict):
+        self.ctx, self.settings = ctx, settings  # the generator's: sampler, stop_criteria, compute_logprobs, …
+        self.ar = importlib.import_module("mlx_vlm.generate.ar")
+        self.response = self.ar.GenerationBatch.Response
+
+    def prepare(self, rows: list[Row]) -> None:
+        """The trunk takes the rows' rope deltas (B, 1), or None for text positions; ValueError when rows mix both."""
+        deltas = [row.extra.delta for row in rows]
+        if all(d is None for d in deltas):
+            self.ctx.trunk.deltas = None
+        elif any(d is None for d in deltas):
+            raise ValueError("a batch mixes rows with and without rope deltas")
+        else:
+            self.ctx.trunk.deltas = mx.concatenate(deltas)
+
+    def lookup_room(self) -> int | None:
+        """0 while a prompt waits: its prefill runs after this pass, which lookup drafts must not widen."""
+        return 0 if self.ctx.waiting else None
+
+    def end(self, row: Row, token: int) -> str | None:
+        """"stop" by the generator's stop rule, then "length" at ``max_tokens`` (mlx-vlm's order)."""
+        if self.settings["stop_criteria"](token):
+            return "stop"
+        return "length" if row.emitted >= row.max_tokens else None
+
+    def responder(self, loop: BatchLoop, logprobs: mx.array, blocks: list[list[int]]):
+        chosen, top = _token_logprobs(logprobs, blocks, self.settings)
+
+        def make(i: int, j: int, token: int, reason: str | None):
+            return self.response(uid=loop.rows[i].uid, token=token, token_logprob=chosen[i][j], finish_reason=reason,
+                                 top_logprobs=None if top is None else top[i][j])
+
+        return make
+
+    def extend_caches(self, caches: list, other: list) -> list:
+        return self.ar._extend_cache(caches, other)
+
+    def first_response(self, row: Row, reason: str | None):
+        """The response for a fresh row's first token (``row.last``)."""
+        logprob, top = row.extra.first
+        return self.response(uid=row.uid, token=row.last, token_logprob=logprob, finish_reason=reason,
+                             top_logprobs=top)
+
+
+class VLMGenerationBatch(LoopBatch):
+    """mlx-vlm's ``GenerationBatch`` interface (``uids``, ``prompt_cache``, ``logits_processors``, ``extend``,
+    ``filter``, ``next``, ``cache_states``) over the engine's ``BatchLoop``, or after a fault over mlx-vlm's own
+    ``GenerationBatch`` of the same rows (``LoopBatch``). A row joins with its first token drawn by the prompt batch
+    (``VLMRow.fresh``): the next call emits it first."""
 
     is_speculative = False
-
-    def __init__(self, model, settings: dict):
-        super().__init__(model, None)
-        self.response = importlib.import_module("mlx_vlm.generate.ar").GenerationBatch.Response
-        self.settings = settings  # the generator's: sampler, stop_criteria, compute_logprobs, top_logprobs_k
-        self.deltas, self.fresh, self.firsts, self.prompts = None, [], [], []
 
     @classmethod
     def take_over(cls, stock, ctx: VLMBatching, heads: list[PromptHead]) -> VLMGenerationBatch:
         """The rows of mlx-vlm's fresh ``GenerationBatch`` ``stock`` (first tokens drawn, not yet fed) with the heads
         their prompts fed."""
-        from mlx_vlm.models.cache import KVCache
-
-        batch = cls(stock.model, dict(ctx.generator))
+        runtime = VLMRuntime(ctx, dict(ctx.generator))
         count = len(stock.uids)
         first = stock._next_tokens.tolist()
-        batch.uids = list(stock.uids)
-        batch.prompt_cache = _batched(stock.prompt_cache)
-        batch.tokens = [list(head.tokens) for head in heads]
-        batch.max_tokens = list(stock.max_tokens)
-        processors = list(stock.logits_processors) or [None] * count
-        batch.logits_processors = [list(p or []) for p in processors]
-        sampler = batch.settings["described"]  # None when greedy
-        batch.samplers = [sampler] * count
-        batch.stops, batch.matchers, batch.num_tokens = [None] * count, [None] * count, [0] * count
-        batch.deltas = stock._rope_deltas
-        batch.fresh = [True] * count
-        batch.prompts = [head.keywords for head in heads]
-        batch.firsts = _first_logprobs(stock, count)
-        keyed = batch.settings["keyed"]
-        for i, uid in enumerate(batch.uids):
-            row = join_row(ctx, uid, first[i], heads[i].carry, sampler, batch.logits_processors[i], heads[i].tokens)
+        firsts = _first_logprobs(stock, count)
+        processors = [list(p or []) for p in (list(stock.logits_processors) or [None] * count)]
+        sampler = runtime.settings["described"]  # None when greedy
+        keyed = runtime.settings["keyed"]
+        deltas = stock._rope_deltas
+        rows = []
+        for i, uid in enumerate(stock.uids):
+            request = ctx.options.pop(uid, None)
+            options = request.resolved() if request is not None else MTPOptions()
+            sampling = SAMPLINGS.get(sampler, False) if sampler is not None else None
+            extra = VLMRow(True, firsts[i], heads[i].keywords, None if deltas is None else deltas[i : i + 1],
+                           processors[i])
+            row = new_row(ctx, uid, first[i], heads[i].carry, options, sampling, sampler, processors[i],
+                          heads[i].tokens, stock.max_tokens[i], extra)
+            if request is not None and options.enabled:
+                request.stats = row.stats
             row.head_whole, row.position = False, 1  # the prompt batch drew generated token 0
             if row.grammar is not None:  # drawn under it by mlx-vlm's own step
                 row.grammar.advance([first[i]])
                 row.grammar.commit()
             if row.sampling is None and keyed is not None:  # plain steps keep mlx-vlm's keyed draws
                 row.sampling = keyed
-            batch.rows.append(row)
-        batch.head_cache = KVCache.merge([head.drafter.cache for head in heads])
-        return batch
+            rows.append(row)
+        head_cache = type(heads[0].drafter.cache).merge([head.drafter.cache for head in heads])
+        return cls(stock.model, BatchLoop(ctx, runtime, rows, _batched(stock.prompt_cache), head_cache))
+
+    @property
+    def logits_processors(self) -> list:
+        """Per row its logits processors as mlx-vlm gave them."""
+        if self.stock is not None:
+            return self.stock.logits_processors
+        return [row.extra.processors for row in self.loop.rows]
 
     def cache_states(self) -> list:
         """The trunk caches' states (mlx-vlm evaluates them every few steps)."""
         return [c.state for c in self.prompt_cache if hasattr(c, "state")]
 
-    def next(self) -> list:
-        """The joining rows' first tokens, then one cycle or plain step of every row still going."""
-        if not self.uids:
-            return []
-        responses = self._emit_fresh()
-        ctx = context_of(self)
-        if ctx is not None:
-            ctx.trunk.deltas = self.deltas
-            # a waiting prompt's prefill runs after this pass: no lookup drafts widen it meanwhile
-            self.lookup_room = 0 if ctx.waiting else MAX_LOOKUP
-        return responses + (super().next() if self.uids else [])
-
-    def _decide(self, ctx: VLMBatching, policy) -> tuple[list[int], list[Decision]]:
-        """``MTPGenerationBatch._decide``; where mlx-vlm verifies row by row (0.6) and the batch has several rows, only
-        rows whose request fixed a depth draft (at it) and the others take plain steps: there a B-row verify pass
-        costs B passes, more than drafts with a head's acceptance gain back."""
-        if ONE_BATCHED_PASS or len(self.rows) < 2:
-            return super()._decide(ctx, policy)
-        self.asked = None
-        depths = [0 if ctx.health.parked or row.depth is None else row.depth for row in self.rows]
-        return depths, [Decision.head(depth) for depth in depths]
-
-    def _emit_fresh(self) -> list:
-        responses, keep = [], []
-        for i, uid in enumerate(self.uids):
-            if self.fresh[i]:
-                self.fresh[i] = False
-                reason = self._end(i, self.rows[i].last)
-                logprob, top = self.firsts[i]
-                responses.append(self.response(uid=uid, token=self.rows[i].last, token_logprob=logprob,
-                                               finish_reason=reason, top_logprobs=top))
+    def _before(self) -> list:
+        """The joining rows' first tokens (finished rows leave)."""
+        responses, keep, loop = [], [], self.loop
+        for i, row in enumerate(loop.rows):
+            if row.extra.fresh:
+                row.extra.fresh = False
+                reason = loop.end(row, row.last)
+                responses.append(loop.runtime.first_response(row, reason))
                 if reason is not None:
                     continue
             keep.append(i)
-        if len(keep) < len(self.uids):
-            self.filter(keep)
+        if len(keep) < len(loop):
+            loop.filter(keep)
         return responses
-
-    def _end(self, i: int, token: int) -> str | None:
-        """Why row i finishes on ``token`` by mlx-vlm's rules: its stop rule ("stop"), then ``max_tokens``."""
-        self.num_tokens[i] += 1
-        if self.settings["stop_criteria"](token):
-            return "stop"
-        return "length" if self.num_tokens[i] >= self.max_tokens[i] else None
-
-    def _responder(self, logprobs: mx.array, blocks: list[list[int]]):
-        """``make(i, j, token, reason)``: mlx-vlm's ``Response`` for token j of row i's block, its log-probs read for
-        the whole batch at once (``_token_logprobs``)."""
-        chosen, top = _token_logprobs(logprobs, blocks, self.settings)
-
-        def make(i: int, j: int, token: int, reason: str | None):
-            return self.response(uid=self.uids[i], token=token, token_logprob=chosen[i][j], finish_reason=reason,
-                                 top_logprobs=None if top is None else top[i][j])
-
-        return make
-
-    def _join(self, batch) -> None:
-        ar = importlib.import_module("mlx_vlm.generate.ar")
-        for name in ("uids", "tokens", "rows", "samplers", "logits_processors", "max_tokens", "stops",
-                     "matchers", "num_tokens", "fresh", "firsts", "prompts"):
-            getattr(self, name).extend(getattr(batch, name))
-        if (self.deltas is None) != (batch.deltas is None):
-            raise ValueError("a batch mixes rows with and without rope deltas")
-        if self.ahead is not None:  # pipelined plain steps: the new rows' step is queued to join them
-            self.ahead = self.ahead.join(self._feed_last(context_of(self), batch))
-        if self.deltas is not None:
-            self.deltas = mx.concatenate([self.deltas, batch.deltas])
-        self.asked = None
-        self.prompt_cache = ar._extend_cache(self.prompt_cache, batch.prompt_cache)
-        self.head_cache.extend(batch.head_cache)
-
-    def filter(self, keep: list[int]) -> None:
-        """Keep only rows ``keep``."""
-        self.fresh = [self.fresh[i] for i in keep]
-        self.firsts = [self.firsts[i] for i in keep]
-        self.prompts = [self.prompts[i] for i in keep]
-        if self.deltas is not None:
-            self.deltas = self.deltas[mx.array(keep, dtype=mx.int32)] if keep else None
-        super().filter(keep)
-
-    @staticmethod
-    def _feed_last(ctx, batch):
-        ctx.trunk.deltas = batch.deltas
-        return MTPGenerationBatch._feed_last(ctx, batch)
 
     def _resume(self) -> list[Resume]:
         """Every row as stock decoding would resume it now (read before a call changes anything)."""
-        fed = self.ahead is not None  # a queued plain step holds each row's ``last`` in the trunk cache
-        return [Resume(self.uids[i], self.tokens[i][: len(self.tokens[i]) - fed], row.last, self.num_tokens[i],
-                       self.fresh[i], self.prompts[i], None if self.deltas is None else self.deltas[i : i + 1],
-                       self.max_tokens[i], self.logits_processors[i] if row.grammar is None
-                       else [GrammarProcessor.continuing(row.grammar)])
-                for i, row in enumerate(self.rows)]
+        fed = self.loop.fed  # a queued plain step holds each row's ``last`` in the trunk cache
+        return [Resume(row.uid, row.tokens[: len(row.tokens) - fed], row.last, row.emitted, row.extra.fresh,
+                       row.extra.prompt, row.extra.delta, row.max_tokens,
+                       row.extra.processors if row.grammar is None else [GrammarProcessor.continuing(row.grammar)])
+                for row in self.loop.rows]
 
-    def _fall_back(self, rows: list[Resume], error: Exception | None = None) -> None:
-        """Become mlx-vlm's own ``GenerationBatch`` of ``rows``; ``error`` stops batched MTP for the model."""
-        if error is not None:
-            self.model.mtp_batching.fail(error)
-        stock = stock_batch(self.model.model, self.settings, rows)
-        self.__class__, self.__dict__ = type(stock), stock.__dict__  # the generator holds this object
+    def _stock(self, rows: list[Resume]):
+        return stock_batch(self.model.model, self.loop.runtime.settings, rows)
 
 
 @dataclass

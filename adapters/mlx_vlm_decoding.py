@@ -12,9 +12,9 @@ import types
 
 import mlx.core as mx
 
-from mtp_plugin.decoding.lookup import lookup_policy, sampled_prior
-from mtp_plugin.decoding.options import depth_policy, resolve
-from mtp_plugin.decoding.scheduler import costs_of
+from mtp_plugin.decoding.lookup import lookup_policy
+from mtp_plugin.decoding.options import MTPOptions, depth_policy
+from mtp_plugin.decoding.state import state_of
 from mtp_plugin.decoding.stats import MTPStats
 from mtp_plugin.decoding.trunk import PromptInputs, multimodal
 from mtp_plugin.plugins import hook
@@ -136,7 +136,8 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, lookup=N
     prompt_size = args["input_ids"].size
     step = args.get("prefill_step_size")
     chunked = step is not None and (prompt_size > 1 if CHUNKS_EVERY_PROMPT else prompt_size > step)
-    policy = depth_policy(depth, loaded, 0.0 if sampled is None else sampled.temp, prompt_size)  # raises if bad
+    scheduler = state_of(model.language_model, loaded).scheduler
+    policy = depth_policy(depth, scheduler, 0.0 if sampled is None else sampled.temp, prompt_size)  # raises if bad
     loaded.stats = MTPStats(policy if isinstance(policy, int) else getattr(policy, "depth", None))
     cache = args.get("prompt_cache")
     return {
@@ -152,8 +153,8 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, lookup=N
         "cut_window": False,  # its GatedDeltaNet may scan a multi-token pass in chunks of its own
         "prompt_progress_callback": prefill_bar() if chunked and args.get("verbose") else None,
         "stats": loaded.stats,
-        "lookup": lookup_policy(lookup, False, None if sampled is None else sampled_prior(model.language_model)),
-        "costs": costs_of(model.language_model).of(1),
+        "lookup": lookup_policy(lookup, False, None if sampled is None else scheduler.lookup_prior),
+        "scheduler": scheduler,
         # a trunk without multimodal positions (Qwen3-Next) takes text only: its plain token pass is mlx-vlm's own
         "prompt_inputs": prompt_inputs(model, args, extra) if multimodal(model) else None,
     }
@@ -192,10 +193,11 @@ def step_arguments(generate_step, *args, **kwargs) -> tuple[dict, dict]:
 def mtp_generate_step(generate_step, ar, captured: dict[str, bool]):
     """Wrap mlx-vlm's ``generate_step(input_ids, model, pixel_values, mask, **kwargs)``: MTP for a model with a loaded
     head whose trunk can be rolled back. Added keywords ``enable_mtp``, ``mtp_depth`` (1-8; None: adaptive) and
-    ``mtp_lookup``; when not given, the command line's flags decide (``options.resolve``)."""
+    ``mtp_lookup`` (the CLI passes its flags as these: ``mlx_lm_decoding.with_cli_options``); the plugin's defaults
+    where not given."""
     @functools.wraps(generate_step)
     def wrapper(input_ids, model, pixel_values, mask, *, mtp_depth=None, enable_mtp=None, mtp_lookup=None, **kwargs):
-        asked = resolve(enable_mtp, mtp_depth, mtp_lookup)
+        asked = MTPOptions().over(enable_mtp, mtp_depth, mtp_lookup)
         enable_mtp, mtp_depth, mtp_lookup = asked.enabled, asked.depth, asked.lookup
         loaded = getattr(model, "mtp_head", None)
         model_type = loaded.location.model_type if loaded is not None else None

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import logging
+import os
 import threading
 from dataclasses import dataclass
 
 from mtp_plugin.decoding.grammar import GrammarProcessor
+from mtp_plugin.decoding.options import MTPOptions
 from mtp_plugin.decoding.single import MAX_DEPTH
 
 from .capture import rollback_ready
 from .mlx_lm_batching import BatchingModel
+from .mlx_lm_decoding import command_line_options
 from .mlx_lm_sampling import SAMPLINGS
 from .mlx_lm_server import MTPRequest, MTPRequestError, parse_request, with_mtp_flags
 from .mlx_vlm_batching import batching_context, capture_prompt_step, start_generation
@@ -23,6 +27,7 @@ from .mlx_vlm_sampling import server_sampling
 
 log = logging.getLogger("mtp_plugin")
 _serving = threading.local()  # the server and request the generation thread is about to insert
+SERVER_OPTIONS = "MLX_VLM_MTP_OPTIONS"  # the server's MTP flags, passed as mlx-vlm passes its own (the environment)
 SERVER_HELP = {  # mlx-vlm's server decodes with MTP by default, as mlx-lm's
     "plugin": "Enable a plugin; 'mtp' decodes with the checkpoint's MTP head (on by default).",
     "depth": f"MTP draft depth 1-{MAX_DEPTH} (0: automatic).",
@@ -40,7 +45,7 @@ def read_request_options(build_gen_args):
     @functools.wraps(build_gen_args)
     def wrapper(request, *args, **kwargs):
         try:
-            options = parse_request(getattr(request, "model_extra", None) or {})
+            options = parse_request(getattr(request, "model_extra", None) or {}, server_options())
         except MTPRequestError as e:
             raise _bad_option()(status_code=400, detail=str(e)) from e
         gen_args = build_gen_args(request, *args, **kwargs)
@@ -48,6 +53,24 @@ def read_request_options(build_gen_args):
         return gen_args
 
     return wrapper
+
+
+def record_flags(namespace) -> None:
+    """Keep the server command line's MTP options where mlx-vlm keeps its own server settings: the environment
+    (``SERVER_OPTIONS``, JSON), which its app reads in this process or a worker's."""
+    options = command_line_options(namespace)
+    os.environ[SERVER_OPTIONS] = json.dumps({"enabled": options.enabled, "depth": options.depth,
+                                             "lookup": options.lookup})
+
+
+def server_options() -> MTPOptions:
+    """The server command line's MTP options (``record_flags``); the plugin's defaults where none were recorded or
+    the record cannot be read."""
+    try:
+        values = json.loads(os.environ.get(SERVER_OPTIONS) or "{}")
+        return MTPOptions().over(values.get("enabled"), values.get("depth"), values.get("lookup"))
+    except (ValueError, AttributeError):
+        return MTPOptions()
 
 
 @functools.cache
@@ -245,7 +268,7 @@ def portable(processor):
 def patch_server(patches, captured: dict[str, bool]) -> None:
     """Install the server wrappers on the imported ``mlx_vlm.server.generation`` and ``request_normalization``."""
     server = importlib.import_module("mlx_vlm.server")
-    patches.wrap(server, "main", functools.partial(with_mtp_flags, helps=SERVER_HELP))
+    patches.wrap(server, "main", functools.partial(with_mtp_flags, helps=SERVER_HELP, parsed=record_flags))
     generation = importlib.import_module("mlx_vlm.server.generation")
     normalization = importlib.import_module("mlx_vlm.server.request_normalization")
     patches.wrap(normalization, "_build_gen_args", read_request_options)

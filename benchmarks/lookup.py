@@ -82,7 +82,7 @@ def run(model, prompts: list[list[int]], max_tokens: int, repeats: int, label: s
             raise SystemExit(f"{name} decoded other tokens than plain decoding: a bug, please report it")
 
     def stats():
-        return head.stats if model.mtp_head is not None else getattr(model, "mtp_lookup_stats", None)
+        return head.stats if model.mtp_head is not None else model.mtp_state.lookup_stats
 
     names = {name: (None if name == "plain" else name) for name in CANDIDATES}
     try:

@@ -75,11 +75,11 @@ def batched(model, tokenizer, processors_for, max_tokens: int, depth: int) -> tu
     BatchDrafter.final_call = timed
     try:
         generator = importlib.import_module("mlx_lm.server").BatchGenerator(model, completion_batch_size=8)
-        for i, text in enumerate(BATCH_PROMPTS):
-            mlx_lm_server._routing.options = mlx_lm_server.MTPRequest(True, depth)
+        for i, text in enumerate(BATCH_PROMPTS):  # options carried by the processors, as the server carries them
+            carried = mlx_lm_server.RequestProcessors(processors_for())
+            carried.mtp = mlx_lm_server.MTPRequest(True, depth)
             generator.insert([tokenizer.encode(text)], max_tokens=[max_tokens + 3 * i], samplers=[make_sampler(0.0)],
-                             logits_processors=[processors_for()])
-        mlx_lm_server._routing.options = None
+                             logits_processors=[carried])
         while True:
             start = time.perf_counter()
             if not generator.next_generated():

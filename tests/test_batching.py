@@ -27,16 +27,17 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import load_model
-from mtp_plugin.adapters import capture, mlx_lm_server
-from mtp_plugin.adapters.mlx_lm_server import MTPRequest
+from mtp_plugin.adapters import capture
+from mtp_plugin.adapters.mlx_lm_server import MTPRequest, RequestProcessors
 from mtp_plugin.adapters.patching import release
 from test_sampling import PROMPT, VOCAB, chi_square_p, exact_marginals
 
-from mtp_plugin.decoding import options as options_module
 from mtp_plugin.decoding import rollback
 from mtp_plugin.decoding.drafter import HISTORY_WINDOW
 from mtp_plugin.decoding.lookup import ContextIndex, LookupSettings
 from mtp_plugin.decoding.options import MTPOptions
+from mtp_plugin.decoding.scheduler import Scheduler
+from mtp_plugin.decoding.state import state_of
 
 # mlx-lm < 0.32 pollutes the GatedDeltaNet state of right-padded prompt rows (its ArraysCache mask ignores the
 # prompt lengths), so its own batched output differs from a request served alone; there the reference of a batch
@@ -82,14 +83,13 @@ def mtp_generator(model):
 
 
 def insert(generator, prompts, max_tokens, options=None, processors=None, sampler=None) -> list[int]:
-    """Insert requests one by one as the server does, each with its own MTP options."""
+    """Insert requests one by one as the server does, each with its own MTP options (carried by its processors)."""
     uids = []
     for i, prompt in enumerate(prompts):
-        mlx_lm_server._routing.options = (options or [None] * len(prompts))[i]
-        uids += generator.insert([prompt], max_tokens=[max_tokens[i]],
-                                 samplers=[sampler or make_sampler(0.0)],
-                                 logits_processors=[(processors or [[]] * len(prompts))[i]])
-    mlx_lm_server._routing.options = None
+        carried = RequestProcessors((processors or [[]] * len(prompts))[i])
+        carried.mtp = (options or [None] * len(prompts))[i]
+        uids += generator.insert([prompt], max_tokens=[max_tokens[i]], samplers=[sampler or make_sampler(0.0)],
+                                 logits_processors=[carried])
     return uids
 
 
@@ -125,21 +125,21 @@ def test_rows_decode_as_stock_alone(trained, depth):
 
 
 def test_a_batch_keeps_a_policy_per_context_band(trained):
-    """A one-row batch past 2048 tokens of context gets its own adaptive policy (``options.context_band``), started at
-    the shorter band's choice; the short band's is left as it was."""
+    """A one-row batch past 2048 tokens of context gets its own adaptive policy (``scheduler.context_band``), started
+    at the shorter band's choice; the short band's is left as it was."""
     model, tokenizer = trained
     generator = mtp_generator(model)
-    ctx = model.mtp_head.batching
+    controllers = model.mtp_state.scheduler.controllers
     insert(generator, [tokenizer.encode(PROMPTS[0])], [8], [MTPRequest(True, 0, False)])
     drain(generator, {})
-    short = ctx.policies[1, 0]
+    short = controllers[0.0, 1, 0]
     short.choice = short.running = 3  # as if it had settled there
     before = list(short.cycles_at)
     source = Path(importlib.import_module("mlx_lm.generate").__file__).read_text()
     insert(generator, [tokenizer.encode(source)[:2100]], [8], [MTPRequest(True, 0, False)])
     drain(generator, {})
-    assert {(1, 0), (1, 1)} <= set(ctx.policies) and short.cycles_at == before
-    assert ctx.policies[1, 1].choice == 3 and ctx.policies[1, 1].cycles_at[3] > 0
+    assert {(0.0, 1, 0), (0.0, 1, 1)} <= set(controllers) and short.cycles_at == before
+    assert controllers[0.0, 1, 1].choice == 3 and controllers[0.0, 1, 1].cycles_at[3] > 0
 
 
 def test_a_conversations_next_turn_indexes_only_its_new_tokens(trained, monkeypatch):
@@ -210,7 +210,7 @@ def test_rows_join_and_leave_between_cycles(trained, monkeypatch, schedule):
     options = [MTPRequest(True, 2), MTPRequest(True, 2), MTPRequest(True, 3), None, None, MTPRequest(True, 1)]
     if schedule is not None:
         policy = Schedule(schedule)
-        monkeypatch.setattr(type(model.mtp_head.batching), "policy", lambda self, rows, context=0: policy)
+        monkeypatch.setattr(Scheduler, "controller", lambda self, temperature, rows, context: policy)
         options = [None] * len(prompts)
     for i in range(len(prompts)):
         uids += insert(generator, prompts[i : i + 1], MAX_TOKENS[i : i + 1], options[i : i + 1])
@@ -235,16 +235,16 @@ def test_row_parked_past_the_window_keeps_only_its_last_pairs(trained, monkeypat
     tokens, and its head is not remembered for prompt-cache reuse (its history has a gap)."""
     model, tokenizer = trained
     generator = mtp_generator(model)
-    monkeypatch.setattr(type(model.mtp_head.batching), "policy", lambda self, rows, context=0: Schedule([0]))
-    model.mtp_head.batching.store.clear()
+    monkeypatch.setattr(Scheduler, "controller", lambda self, temperature, rows, context: Schedule([0]))
+    model.mtp_state.batching.store.clear()
     prompt, n, results = tokenizer.encode(PROMPTS[1]), HISTORY_WINDOW + 8, {}
     (uid,) = insert(generator, [prompt], [n], [MTPRequest(lookup=False)])  # plain steps only while parked
     drain(generator, results, steps=HISTORY_WINDOW + 4)
-    (row,) = generator._generation_batch.rows
+    (row,) = generator._generation_batch.loop.rows
     assert len(row.pending) == HISTORY_WINDOW and not row.head_whole
     drain(generator, results)
     assert results[uid] == stock_tokens(model, [prompt], [n])[0]
-    assert not model.mtp_head.batching.store
+    assert not model.mtp_state.batching.store
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +306,7 @@ def test_reused_prompt_cache_brings_the_head_history(trained):
         while not len(generator._generation_batch):
             generator.next()
         batch = generator._generation_batch
-        return batch.head_cache.extract(0), batch.rows[0].head_whole
+        return batch.loop.head_cache.extract(0), batch.loop.rows[0].head_whole
 
     reused, whole = head_after_prompt([cache], [list(prefix)], follow)
     fresh, _ = head_after_prompt(None, None, list(prefix) + follow)
@@ -314,7 +314,7 @@ def test_reused_prompt_cache_brings_the_head_history(trained):
     for got, want in ((reused.keys, fresh.keys), (reused.values, fresh.values)):
         np.testing.assert_allclose(np.array(got[..., : fresh.offset, :]), np.array(want[..., : fresh.offset, :]),
                                    atol=2e-4, rtol=2e-3)
-    model.mtp_head.batching.store.clear()
+    model.mtp_state.batching.store.clear()
     forgotten, whole = head_after_prompt([finals[first].prompt_cache], [list(prefix)], follow)
     assert not whole and forgotten.offset == len(follow) - 2  # only the new tokens: no pairs for the prefix
 
@@ -393,7 +393,7 @@ def test_rows_without_a_head_decode_as_stock_with_lookup(trained, monkeypatch):
     every row is stock's (lookup off for one, MTP off for another)."""
     model, tokenizer = trained
     monkeypatch.setattr(model, "mtp_head", None)
-    monkeypatch.setattr(options_module, "_command_line", MTPOptions(lookup=True))
+    state_of(model, None).serving = MTPOptions(lookup=True)
     prompts = [tokenizer.encode(p) for p in [EDIT, PROMPTS[1], EDIT, "x"]]
     lengths = [40, 20, 30, 6]
     options = [MTPRequest(True, None, FORCED), MTPRequest(True, None, FORCED), MTPRequest(True, None, False),
@@ -405,7 +405,7 @@ def test_rows_without_a_head_decode_as_stock_with_lookup(trained, monkeypatch):
     assert [results[uid] for uid in uids] == stock_tokens(model, prompts, lengths)
     assert options[0].stats.lookup_accepted > 0 and options[0].stats.cycles == 0
     assert options[2].stats.lookup_cycles == 0
-    assert model.mtp_lookup_batching.failed is None
+    assert model.mtp_state.batching.failed is None
 
 
 @pytest.mark.parametrize("headless", [False, True])
@@ -415,7 +415,7 @@ def test_sampled_lookup_rows_keep_the_trunk_distribution(small, monkeypatch, hea
     marginals of the trunk's distribution (chi-square)."""
     if headless:
         monkeypatch.setattr(small, "mtp_head", None)
-        monkeypatch.setattr(options_module, "_command_line", MTPOptions(lookup=True))
+        state_of(small, None).serving = MTPOptions(lookup=True)
     temp, runs, rows = 1.0, 300, 4
     sampler = make_sampler(temp=temp)
     mx.random.seed(5)
@@ -462,16 +462,16 @@ def test_one_and_two_token_prompts(trained, together):
         results = {}
         drain(generator, results)
         assert [results[uid] for uid in uids] == want
-    assert model.mtp_head.batching.failed is None
+    assert model.mtp_state.batching.failed is None
 
 
 @pytest.fixture
 def fresh(trained):
     """The trained model with a fresh batching context (a fault stops batched MTP for the model's lifetime)."""
     model, tokenizer = trained
-    model.mtp_head.batching = None
+    model.mtp_state.batching = None
     yield model, tokenizer
-    model.mtp_head.batching = None
+    model.mtp_state.batching = None
 
 
 def inject(monkeypatch, owner, name: str, call: int):
@@ -493,8 +493,8 @@ FAULTS = {  # where a bug of the plugin's can strike: the part it breaks, and at
     "commit": ("mtp_plugin.decoding.batch.BatchDrafter", "commit", 2),
     "plain": ("mtp_plugin.decoding.batch.BatchDrafter", "plain", 2),
     "head-prompt": ("mtp_plugin.decoding.drafter.Drafter", "prefill", 2),
-    "join": ("mtp_plugin.adapters.mlx_lm_batching.MTPGenerationBatch", "_join", 1),
-    "respond": ("mtp_plugin.adapters.mlx_lm_batching.MTPGenerationBatch", "_respond", 4),
+    "join": ("mtp_plugin.decoding.continuous.BatchLoop", "extend", 1),
+    "respond": ("mtp_plugin.decoding.continuous.BatchLoop", "_respond", 4),
 }
 
 

@@ -12,9 +12,10 @@ from helpers.builders import KINDS, build_model, caches_after_close, config_for
 from mlx_lm import load
 from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mtp_plugin.adapters.mlx_lm_decoding import command_line_options
 
 from mtp_plugin.decoding.lookup import ContextIndex, LookupSettings, lookup_policy
-from mtp_plugin.decoding.options import MTPOptions, command_line, resolve, set_command_line
+from mtp_plugin.decoding.options import MTPOptions
 
 MLX4 = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5" / "mlx-4bit"
 SOURCE = "def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n\n\n"
@@ -128,16 +129,16 @@ def test_lookup_with_logits_processors_and_kv_quantization(bundled):
 
 def test_sampled_generations_share_a_lookup_prior_and_greedy_ones_keep_theirs(bundled):
     model, prompt = bundled
-    model.mtp_lookup_prior = None
+    model.mtp_state = None  # a fresh state: a fresh prior
     tokens(model, prompt, max_tokens=24)
-    assert model.mtp_lookup_prior is None  # greedy: the static prior of LookupSettings
+    prior = model.mtp_state.scheduler.lookup_prior
+    assert prior.reached == [0.0, 0.0]  # greedy: the static prior of LookupSettings, the model's left alone
     mx.random.seed(3)
     sampled = tokens(model, prompt, max_tokens=48, sampler=make_sampler(0.8))
-    prior = model.mtp_lookup_prior
     assert prior.reached[1] == model.mtp_head.stats.lookup_cycles > 0
     mx.random.seed(3)
     assert tokens(model, prompt, max_tokens=48, sampler=make_sampler(0.8)) == sampled  # the prior drafts, never draws
-    assert model.mtp_lookup_prior is prior
+    assert model.mtp_state.scheduler.lookup_prior is prior
 
 
 def test_lookup_off_drafts_from_the_head_only(bundled):
@@ -150,12 +151,12 @@ def test_lookup_off_drafts_from_the_head_only(bundled):
 def test_headless_greedy_identical_and_cache_as_plain(headless):
     plain = tokens(headless, RANDOM_PROMPT, max_tokens=40, enable_mtp=False)
     assert tokens(headless, RANDOM_PROMPT, max_tokens=40, mtp_lookup=FORCED) == plain
-    stats = headless.mtp_lookup_stats
+    stats = headless.mtp_state.lookup_stats
     assert stats.lookup_cycles > 0 and stats.cycles == 0
     assert stats.lookup_emitted + stats.plain == len(plain) - 1
     assert stats.summary().startswith("MTP lookup: drafted=")
     tokens(headless, RANDOM_PROMPT[:3], max_tokens=2, mtp_lookup=FORCED)  # nothing to match: plain steps only
-    summary = headless.mtp_lookup_stats.summary()
+    summary = headless.mtp_state.lookup_stats.summary()
     assert summary == ("MTP lookup: drafted=0 accepted=0 cycles=0 plain=1 (the context never repeated what was being "
                        "generated: no lookup draft to verify)"), summary
     for stop in (3, 11):
@@ -171,29 +172,29 @@ def test_a_lookup_that_drafts_nothing_says_why(tmp_path):
     shutil.copytree(MLX4, tmp_path / "headless", ignore=shutil.ignore_patterns("mtp.safetensors"))
     model, tokenizer = load(str(tmp_path / "headless"))
     tokens(model, tokenizer.encode(EDIT_PROMPT), max_tokens=24, mtp_lookup=True)
-    summary = model.mtp_lookup_stats.summary()
-    assert " cycles=0 plain=23 (" in summary and model.mtp_lookup_stats.lookup_declined > 0, summary
+    stats = model.mtp_state.lookup_stats
+    summary = stats.summary()
+    assert " cycles=0 plain=23 (" in summary and stats.lookup_declined > 0, summary
     assert "lookup drafts declined as not worth a verify pass: one draft costs 2.00 plain steps here" in summary
 
 
 def test_headless_decodes_stock_unless_asked(headless):
     plain = tokens(headless, RANDOM_PROMPT, max_tokens=12, enable_mtp=False)
     assert tokens(headless, RANDOM_PROMPT, max_tokens=12) == plain
-    assert getattr(headless, "mtp_lookup_stats", None) is None
+    assert getattr(headless, "mtp_state", None) is None or headless.mtp_state.lookup_stats is None
     assert tokens(headless, RANDOM_PROMPT, max_tokens=12, mtp_lookup=True, enable_mtp=False) == plain
-    assert getattr(headless, "mtp_lookup_stats", None) is None
+    assert getattr(headless, "mtp_state", None) is None or headless.mtp_state.lookup_stats is None
 
 
-def test_cli_flags_set_the_default(bundled):
+def test_cli_flags_are_the_generations_options(bundled):
     from mlx_lm.generate import setup_arg_parser
 
-    try:
-        assert setup_arg_parser().parse_args(["--mtp-lookup"]).lookup is True and command_line().lookup is True
-        assert setup_arg_parser().parse_args(["--no-mtp-lookup"]).lookup is False and command_line().lookup is False
-        assert resolve(lookup=True).lookup is True and resolve(depth=3).depth == 3 and resolve(depth=0).depth is None
-        model, prompt = bundled
-        tokens(model, prompt, max_tokens=24, mtp_depth=2)
-        assert model.mtp_head.stats.lookup_cycles == 0
-    finally:
-        set_command_line()
-    assert command_line() == MTPOptions()
+    on = setup_arg_parser().parse_args(["--mtp-lookup", "--mtp-depth", "3"])
+    assert on.mtp_lookup is True and command_line_options(on) == MTPOptions(lookup=True, depth=3)
+    off = setup_arg_parser().parse_args(["--no-mtp-lookup"])
+    assert off.mtp_lookup is False and command_line_options(off) == MTPOptions(lookup=False)
+    assert command_line_options(setup_arg_parser().parse_args([])) == MTPOptions()  # depth 0: automatic
+    assert MTPOptions().over(depth=0).depth is None and MTPOptions(lookup=True).over(lookup=False).lookup is False
+    model, prompt = bundled
+    tokens(model, prompt, max_tokens=24, **{**command_line_options(off).keywords(), "mtp_depth": 2})
+    assert model.mtp_head.stats.lookup_cycles == 0  # the flags are the generation's keywords

@@ -120,7 +120,7 @@ def test_greedy_identical_in_one_batch(model, depths):
     results = {}
     drain(generator, results)
     assert [results[uid] for uid in uids] == expected
-    assert model.mtp_head.batching.drafted > 0
+    assert model.mtp_state.batching.drafted > 0
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -127,11 +127,11 @@ def batch_records(model, prompts, max_tokens, depth=None, stop_tokens=None, samp
         generator = generator_class(model, completion_batch_size=len(prompts), prefill_batch_size=len(prompts),
                                     stop_tokens=stop_tokens)
         recorders, uids = {i: Recorder() for i in group}, {}
-        for i in group:  # one request at a time, as the server inserts them
-            mlx_lm_server._routing.options = None if depth is None else MTPRequest(True, depth)
+        for i in group:  # one request at a time, as the server inserts them, its options carried by its processors
+            carried = mlx_lm_server.RequestProcessors([recorders[i]])
+            carried.mtp = None if depth is None else MTPRequest(True, depth)
             uids[i] = generator.insert([prompts[i]], max_tokens=[max_tokens[i]],
-                                       samplers=[sampler or make_sampler(0.0)], logits_processors=[[recorders[i]]])[0]
-        mlx_lm_server._routing.options = None
+                                       samplers=[sampler or make_sampler(0.0)], logits_processors=[carried])[0]
         tokens = {}
         while responses := generator.next_generated():
             for r in responses:

@@ -134,7 +134,7 @@ def test_lookup_sampling_matches_trunk_distribution(model, headless):
                                                mtp_lookup=LookupSettings(slope=0.0, first_prior=0.99))]
             second.append(out[1])
             third.append(out[2])
-            stats = model.mtp_lookup_stats if headless else head.stats
+            stats = model.mtp_state.lookup_stats if headless else head.stats
             lookup = [lookup[0] + stats.lookup_accepted, lookup[1] + stats.lookup_drafted]
             cycles += stats.cycles
     finally:

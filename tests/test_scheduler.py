@@ -3,7 +3,7 @@ model (pure logic; the loops that call it are tested end to end in test_lookup, 
 
 import pytest
 
-from mtp_plugin.decoding.lookup import LookupPolicy, LookupSettings, lookup_policy, sampled_prior
+from mtp_plugin.decoding.lookup import LookupPolicy, LookupSettings, lookup_policy, new_prior
 from mtp_plugin.decoding.scheduler import PLAIN_STEP, Ask, Chain, CostModel, Decision, RowState, plan, pricing
 
 CPU_BF16 = CostModel(0.43)  # a pass of k positions costs 1 + 0.43(k-1) plain steps (bf16 on a compute-bound CPU)
@@ -107,7 +107,7 @@ def test_estimates_fade_with_every_committed_token():
 
 
 def test_sampled_generations_learn_the_first_prior_of_lookup_drafts():
-    prior = sampled_prior(type("Model", (), {})())
+    prior = new_prior()
     first = LookupPolicy(prior=prior)
     assert first.chains[2].expected(1) == pytest.approx([1.0, 1.6])  # no evidence yet: the default
     for _ in range(6):

@@ -22,7 +22,7 @@ from mtp_plugin.commands.bench import _row, bench, efficiency, notes, render
 from mtp_plugin.commands.cli import main
 from mtp_plugin.commands.tune import token_counts
 from mtp_plugin.decoding import drafter
-from mtp_plugin.decoding.options import context_band
+from mtp_plugin.decoding.scheduler import context_band
 from mtp_plugin.head import draft_vocab
 
 HF = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3_5" / "hf"
@@ -92,12 +92,12 @@ def test_automatic_depth_controller_kept_across_generations(model_dir):
     measured = []
     for _ in range(2):
         list(generate_step(mx.array(tokenizer.encode("def f(x):\n")), model, max_tokens=12))
-        controller = model.mtp_head.controllers[0.0, 0]
+        controller = model.mtp_state.scheduler.controllers[0.0, 1, 0]
         measured.append((controller, sum(len(c) for c in controller.costs)))
     (first, before), (second, after) = measured
     assert second is first and after > before  # the second generation went on from the first's measurements
     list(generate_step(mx.array(tokenizer.encode("x")), model, max_tokens=4, mtp_depth=2))
-    assert model.mtp_head.controllers == {(0.0, 0): first}  # a fixed depth leaves it alone
+    assert model.mtp_state.scheduler.controllers == {(0.0, 1, 0): first}  # a fixed depth leaves it alone
 
 
 def test_each_temperature_keeps_its_own_controller(model_dir):
@@ -109,8 +109,8 @@ def test_each_temperature_keeps_its_own_controller(model_dir):
     for temperature in (0.7, 1.0, 0.0, 0.7, 0.72):
         sampler = make_sampler(temperature) if temperature else None
         list(generate_step(prompt, model, max_tokens=8, sampler=sampler))
-        seen.append(dict(model.mtp_head.controllers))
-    assert list(seen[2]) == [(0.7, 0), (1.0, 0), (0.0, 0)]
+        seen.append(dict(model.mtp_state.scheduler.controllers))
+    assert list(seen[2]) == [(0.7, 1, 0), (1.0, 1, 0), (0.0, 1, 0)]
     assert len({id(c) for c in seen[2].values()}) == 3
     assert seen[4] == seen[2]  # 0.7 again, and 0.72 (rounded to 0.7), went on with the first 0.7 controller
 
@@ -124,12 +124,13 @@ def test_each_context_band_keeps_its_own_controller(model_dir):
     tokens = tokenizer.encode(source)
     assert [context_band(n) for n in (0, 2047, 2048, 4095, 4096, 40000)] == [0, 0, 1, 1, 2, 5]
     list(generate_step(mx.array(tokens[:50]), model, max_tokens=8))
-    short = model.mtp_head.controllers[0.0, 0]
+    controllers = model.mtp_state.scheduler.controllers
+    short = controllers[0.0, 1, 0]
     short.choice = 3  # as if it had settled there
     before = list(short.cycles_at)
     list(generate_step(mx.array(tokens[:2100]), model, max_tokens=6, mtp_lookup=False))
-    assert list(model.mtp_head.controllers) == [(0.0, 0), (0.0, 1)]
-    assert model.mtp_head.controllers[0.0, 1].choice == 3 and model.mtp_head.stats.depths[0] == 3
+    assert list(controllers) == [(0.0, 1, 0), (0.0, 1, 1)]
+    assert controllers[0.0, 1, 1].choice == 3 and model.mtp_head.stats.depths[0] == 3
     assert short.cycles_at == before  # the short band's left alone
 
 

@@ -143,7 +143,7 @@ def test_server_batch_rows_sample_as_mlx_vlms_batch(model):
     args.mtp = MTPRequest(None, 2)
     stock = server_batch_tokens(model, False, args, RUNS // 4)
     mtp = server_batch_tokens(model, True, args, RUNS // 4)
-    ctx = model.mtp_head.batching
+    ctx = model.language_model.mtp_state.batching
     assert not ctx.failed and 0 < ctx.accepted < ctx.drafted  # acceptance and the residual path were exercised
     assert same_distribution_p(stock[0], mtp[0]) > 1e-3
     assert same_distribution_p(stock[1], mtp[1]) > 1e-3

@@ -270,7 +270,7 @@ def test_a_fault_hands_the_rows_to_mlx_vlms_batch(checkpoint, monkeypatch, caplo
     with caplog.at_level(logging.WARNING, logger="mtp_plugin"):
         assert decode(make(True, args), args) == expected
     assert len(calls) == 3 and "injected fault" in caplog.text
-    assert model.mtp_head.batching.failed  # later batches of this model decode stock
+    assert model.language_model.mtp_state.batching.failed  # later batches of this model decode stock
     assert decode(make(True, args), args) == expected
 
 

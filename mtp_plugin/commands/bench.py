@@ -14,8 +14,9 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 from .. import tuning
-from ..decoding.options import context_band
+from ..decoding.scheduler import context_band
 from ..decoding.single import DEFAULT_DEPTH, MAX_DEPTH
+from ..decoding.state import state_of
 from ..decoding.stats import MTPStats
 from ..head import draft_vocab
 from ..plugins import hook
@@ -157,7 +158,8 @@ def bench(model_dir: Path, depths: int = 3, max_tokens: int = 128, repeats: int 
     rows = summarise(measure.candidates(*measure.runtime_decoder(model), prompts, candidates, max_tokens, repeats,
                                         "bench"))
     band = context_band(max(len(p) for p in prompts))
-    controller = model.mtp_head.controllers.get((0.0, band))  # the adaptive (greedy) row's, kept across generations
+    controllers = state_of(model, model.mtp_head).scheduler.controllers
+    controller = controllers.get((0.0, 1, band))  # the adaptive (greedy) row's, kept across generations
     adaptive = controller.report() if hasattr(controller, "report") else None
     tuned = model.mtp_head.draft_vocab
     subset = tuned or _cost_subset(model)

@@ -45,6 +45,10 @@ class Row:
         grammar: the row's ``grammar.Grammar`` (no processors then), which has consumed every generated token up to
             ``last`` and, during a cycle, the row's drafts; None: unconstrained.
         context: tokens in the row's trunk cache when it joined, ``last`` included (its prompt, a reused prefix too).
+        uid: the runtime's request id.
+        tokens: the token ids in the row's trunk cache (``continuous.BatchLoop``: ``last`` not among them).
+        max_tokens: the most tokens the row may emit; ``emitted``: tokens it has emitted.
+        extra: the runtime adapter's own per-row state (its stop rule, what its responses need).
     """
 
     last: int
@@ -60,6 +64,11 @@ class Row:
     position: int = 0
     grammar: Grammar | None = None
     context: int = 0
+    uid: int = 0
+    tokens: list[int] = field(default_factory=list)
+    max_tokens: int = 0
+    emitted: int = 0
+    extra: object = None
 
     def keep(self, hidden: mx.array, tokens: mx.array) -> None:
         """Committed pairs (hidden (1, n, H), tokens (n,)) for the head's next feed (``pending``)."""

@@ -78,18 +78,15 @@ class LookupSettings:
             raise ValueError(f"LookupSettings: {'; '.join(bad)}")
 
 
-def sampled_prior(model) -> Chain:
-    """``model``'s first-draft acceptance of lookup drafts in sampled generations: a one-draft ``Chain``, 2
-    pseudo-cycles at ``LookupSettings.first_prior``, halved per generation; kept on the model (``mtp_lookup_prior``)."""
-    prior = getattr(model, "mtp_lookup_prior", None)
-    if prior is None:
-        prior = model.mtp_lookup_prior = Chain(1, LookupSettings.first_prior, 2.0, half_life=1.0)
-    return prior
+def new_prior() -> Chain:
+    """A model's first-draft acceptance of lookup drafts in sampled generations (``scheduler.Scheduler.lookup_prior``):
+    a one-draft ``Chain``, 2 pseudo-cycles at ``LookupSettings.first_prior``, halved per generation."""
+    return Chain(1, LookupSettings.first_prior, 2.0, half_life=1.0)
 
 
 class LookupPolicy:
     """A generation's lookup drafts: its context's index and their acceptance per match length. ``prior``: a sampled
-    generation's ``sampled_prior``; its p_1 replaces ``settings.first_prior`` and it learns from this generation."""
+    generation's model prior (``new_prior``); its p_1 replaces ``settings.first_prior``; it learns from this one."""
 
     def __init__(self, settings: LookupSettings | None = None, prior: Chain | None = None):
         self.settings = s = settings or LookupSettings()

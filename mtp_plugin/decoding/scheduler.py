@@ -9,9 +9,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .controller import chain_acceptance
+from .. import tuning
+from .controller import PLAIN, DepthController, chain_acceptance
 
 SLACK = 0.05  # a widened pass may cost a row at most this share of its plain-step rate
+CONTEXT_BAND = 2048  # tokens: passes whose longest contexts share a band (doubling from here) share a depth controller
 
 
 @dataclass(frozen=True)
@@ -135,13 +137,64 @@ class CostTable:
         return self.classes[size]
 
 
-def costs_of(model) -> CostTable:
-    """``model``'s cost table, made on first use and kept on the model (``mtp_costs``)."""
-    table = getattr(model, "mtp_costs", None)
-    if table is None:
-        table = CostTable(static_slope(model))
-        model.mtp_costs = table
-    return table
+def context_band(context: int) -> int:
+    """The band of a pass whose longest trunk context holds ``context`` tokens: 0 below ``CONTEXT_BAND``, then one more
+    each time the context doubles (1: 2-4k tokens, 2: 4-8k, …)."""
+    return (max(context, 0) // CONTEXT_BAND).bit_length()
+
+
+class Scheduler:
+    """One model's scheduling, kept across generations and batches (``decoding.state.state_of``): its verify costs
+    (``CostTable``), its adaptive depth controllers, the sampled rows' lookup prior (``lookup.new_prior``). Both loops
+    ask it, a single generation as a pass of one row. ``model_dir``: where a tuned depth is looked up (None: the
+    default ``default_depth``). Design: docs/scheduling.md."""
+
+    def __init__(self, slope: float, lookup_prior: Chain, model_dir=None, default_depth: int = 2, max_depth: int = 8):
+        self.costs, self.lookup_prior = CostTable(slope), lookup_prior
+        self.model_dir, self.default_depth, self.max_depth = model_dir, default_depth, max_depth
+        self.controllers: dict[tuple[float, int, int], DepthController] = {}
+
+    def controller(self, temperature: float, rows: int, context: int) -> DepthController:
+        """The adaptive depth controller of passes of ``rows`` rows sampling at ``temperature`` (the highest of the
+        rows'; 0.0: greedy), whose longest context holds ``context`` tokens. The one keying rule: (temperature rounded
+        to 0.1, batch-size class ``rows.bit_length()``, ``context_band``). A new one starts at the choice of the same
+        temperature and size class's nearest shorter band; else one-row passes at the tuned depth (else the default)
+        and larger batches parked (``controller.PLAIN``)."""
+        key = (round(float(temperature), 1), rows.bit_length(), context_band(context))
+        if key not in self.controllers:
+            shorter = [k for k in self.controllers if k[:2] == key[:2] and k[2] < key[2]]
+            if shorter:
+                start = self.controllers[max(shorter)].choice
+            elif key[1] == 1 and self.model_dir is not None:
+                start = tuning.start_depth(self.model_dir, self.default_depth, self.max_depth)
+            elif key[1] == 1:
+                start = self.default_depth
+            else:
+                start = PLAIN
+            self.controllers[key] = DepthController(start)
+        return self.controllers[key]
+
+    def next_depth(self, policy) -> int:
+        """The head depth ``policy`` (``single.DepthPolicy``) chooses for the next cycle, 0..``max_depth`` (0: a plain
+        step); ValueError outside that range. The one place a depth policy is asked."""
+        depth = policy.next_depth()
+        if not 0 <= depth <= self.max_depth:
+            raise ValueError(f"depth policy chose depth {depth}; it must be 0..{self.max_depth}")
+        return depth
+
+    def price(self, rows: int, measured: bool, lookups) -> Callable[[int], float]:
+        """The cost c(width) of a pass of ``rows`` rows (``pricing``)."""
+        return pricing(self.costs.of(rows), measured, lookups)
+
+    def decide(self, asks: list[Ask], lookups, measured: bool) -> list[Decision]:
+        """Every row's decision for one verify pass (``plan``), priced for ``len(asks)`` rows: by the measured costs
+        where ``measured`` (clocks decide only where tokens do not depend on the drafts and ranks need not agree),
+        else the static prior, or a slope the rows' ``lookups`` settings fix. The one place ``plan`` is called."""
+        return plan(asks, self.price(len(asks), measured, lookups))
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        """A pass of ``rows`` rows, ``width`` positions wide, took ``seconds`` (no head draft steps in it)."""
+        self.costs.of(rows).observe(width, seconds)
 
 
 @dataclass

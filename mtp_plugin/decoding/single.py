@@ -22,9 +22,9 @@ from .drafter import Drafter, GrammarDraft
 from .drafter import log_softmax as _log_softmax
 from .grammar import Grammar, constrain, grammar_of
 from .lockstep import NONE, Lockstep, LockstepError
-from .lookup import LookupPolicy
+from .lookup import LookupPolicy, new_prior
 from .sampling import GumbelDraws
-from .scheduler import CostModel, Decision, RowState, plan, pricing
+from .scheduler import Decision, RowState, Scheduler
 from .stats import MTPStats
 
 DEFAULT_DEPTH = 2
@@ -425,7 +425,7 @@ def generate(
     draft_vocab=None,
     lockstep: Lockstep | None = None,
     lookup: LookupPolicy | None = None,
-    costs: CostModel | None = None,
+    scheduler: Scheduler | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Generate tokens with the head drafting and the trunk verifying (mlx-lm ``generate_step`` contract).
 
@@ -451,7 +451,8 @@ def generate(
         draft_vocab: a ``head.draft_vocab.DraftVocabulary``: drafts from its subset only.
         lockstep: the ranks of a sharded trunk (rank 0 decides the depth); None on one process.
         lookup: a fresh ``lookup.LookupPolicy`` (context drafts the scheduler finds worth a pass); None: none.
-        costs: the model's ``scheduler.CostModel`` of one-row passes; None: a prior of 1 + (k − 1).
+        scheduler: the model's ``scheduler.Scheduler`` (``state.state_of``), which decides each cycle; None: a fresh one
+            with a cost prior of 1 + (k − 1).
 
     Raises:
         ValueError: a fixed depth outside 1..8, a policy's depth outside 0..8, an empty prompt, or no head nor lookup.
@@ -504,9 +505,9 @@ def generate(
 
     n = emitted = accepted = 0
     row = RowState(lookup, MAX_DEPTH)
-    costs = costs if costs is not None else CostModel(1.0)
+    scheduler = scheduler if scheduler is not None else Scheduler(1.0, new_prior())
     # clocks decide only where the tokens do not depend on the drafts (greedy, keyed draws) and ranks need not agree
-    price = pricing(costs, (sampling is None or sampling.keyed is not None) and lockstep is None, [lookup])
+    measured = (sampling is None or sampling.keyed is not None) and lockstep is None
     held = None  # the policy's depth, asked for a cycle that drafted from the context instead
 
     def ask(block: int, behind: bool = False) -> Decision | None:
@@ -523,9 +524,7 @@ def generate(
             depth = PLAIN
             if not (drafter.stopped or loop.uncaptured):
                 if held is None:  # the policy is asked once for each depth that runs
-                    held = policy.next_depth()
-                    if not 0 <= held <= MAX_DEPTH:
-                        raise ValueError(f"depth policy chose depth {held}; it must be 0..{MAX_DEPTH}")
+                    held = scheduler.next_depth(policy)
                 depth = held if span is None else min(held, span - 1)
         question = row.ask(depth or 0, room, behind)
         if lockstep is not None:  # equal contexts, tokens left and options give equal proposals
@@ -539,11 +538,11 @@ def generate(
                 question = row.ask(depth or 0, room, behind)
         if depth is None:
             return None
-        decision = plan([question], price)[0]
+        decision = scheduler.decide([question], [lookup], measured)[0]
         if not decision.lookup:
             held = None
             if question.proposal and not decision.drafts:
-                stats.decline_lookup(price(2), question.lookup[1])
+                stats.decline_lookup(scheduler.price(1, measured, [lookup])(2), question.lookup[1])
         return decision
 
     def queue(decision: Decision | None):
@@ -597,7 +596,7 @@ def generate(
                 block = loop.last.tolist()
                 seconds = clock.lap() - launch + own_launch
                 policy.observe(PLAIN, 0, seconds)
-                costs.observe(1, seconds)
+                scheduler.observe(1, 1, seconds)
                 row.observe(0, 0, 0)
                 if lookup is not None:
                     lookup.index.extend(block)
@@ -633,7 +632,7 @@ def generate(
             seconds = clock.lap() - launch + own_launch
             row.observe(cycle.depth, cycle.match, accepted)
             if cycle.match:
-                costs.observe(cycle.depth + 1, seconds)
+                scheduler.observe(1, cycle.depth + 1, seconds)
             else:
                 policy.observe(cycle.depth, accepted, seconds)
     except LockstepError:

@@ -30,19 +30,15 @@ class LoadedHead:
     """A head ready for drafting and the decisions made loading it. ``module``: the ``MTPHead`` (norms absolute,
     quantized as stored); ``norms``: ``NormDecision`` per RMSNorm weight (open ones: ``head/norm_settling.py``);
     ``quantization``: label per linear module (``int4/g64``, ``bf16`` …); ``stats``: the last generation's counters;
-    ``controllers``: the ``decoding.controller.DepthController`` of automatic-depth generations per (sampling
-    temperature (0.0: greedy), context band), kept across generations (``options.depth_policy``); ``batching``: a
-    runtime adapter's batched-MTP state, kept across batches; ``draft_vocab``: ``head.draft_vocab.DraftVocabulary`` or
-    None (full)."""
+    ``draft_vocab``: ``head.draft_vocab.DraftVocabulary`` or None (full). What decoding keeps across generations is
+    the model's ``decoding.state.ModelState``."""
 
     module: nn.Module
     location: HeadLocation
     norms: dict[str, NormDecision] = field(default_factory=dict)
     quantization: dict[str, str] = field(default_factory=dict)
     stats: MTPStats | None = None
-    controllers: dict[tuple[float, int], object] = field(default_factory=dict)
     health: HeadHealth | None = None
-    batching: object | None = None
     draft_vocab: object | None = None
 
     def __post_init__(self):
