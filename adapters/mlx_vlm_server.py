@@ -9,24 +9,23 @@ import importlib
 import json
 import logging
 import os
-import threading
 from dataclasses import dataclass
 
 from mtp_plugin.decoding.grammar import GrammarProcessor
 from mtp_plugin.decoding.options import MTPOptions
 from mtp_plugin.decoding.single import MAX_DEPTH
+from mtp_plugin.decoding.state import state_of
 
 from .capture import rollback_ready
 from .mlx_lm_batching import BatchingModel
 from .mlx_lm_decoding import command_line_options
 from .mlx_lm_sampling import SAMPLINGS
-from .mlx_lm_server import MTPRequest, MTPRequestError, parse_request, with_mtp_flags
+from .mlx_lm_server import MTPRequest, MTPRequestError, RequestProcessors, parse_request, with_mtp_flags
 from .mlx_vlm_batching import batching_context, capture_prompt_step, start_generation
 from .mlx_vlm_decoding import KV_CACHE_OPTIONS
 from .mlx_vlm_sampling import server_sampling
 
 log = logging.getLogger("mtp_plugin")
-_serving = threading.local()  # the server and request the generation thread is about to insert
 SERVER_OPTIONS = "MLX_VLM_MTP_OPTIONS"  # the server's MTP flags, passed as mlx-vlm passes its own (the environment)
 SERVER_HELP = {  # mlx-vlm's server decodes with MTP by default, as mlx-lm's
     "plugin": "Enable a plugin; 'mtp' decodes with the checkpoint's MTP head (on by default).",
@@ -86,14 +85,35 @@ def _bad_option() -> type:
     return MTPOptionError
 
 
-def note_request(log_prefill_started):
-    """Wrap ``ResponseGenerator._log_prefill_started``, called on the generation thread just before a request is
-    embedded and inserted: ``Lanes`` reads which server and request the next ``insert`` is for."""
+def served_sampler(make_sampler):
+    """Wrap ``ResponseGenerator._make_sampler(args)``, which the server calls for the request that starts a batch
+    generator, as its ``sampler`` (None: greedy): the server's model owns its language model's state
+    (``ModelState.owner``: the ``BatchGenerator`` about to be built on the language model finds the head there), and
+    the sampler's distribution for the request's arguments is recorded (``SAMPLINGS``)."""
 
-    @functools.wraps(log_prefill_started)
-    def wrapper(self, request, *args, **kwargs):
-        _serving.current = (self, request)
-        return log_prefill_started(self, request, *args, **kwargs)
+    @functools.wraps(make_sampler)
+    def wrapper(self, args, *rest, **kwargs):
+        sampler = make_sampler(self, args, *rest, **kwargs)
+        full = getattr(self, "model", None)
+        loaded = getattr(full, "mtp_head", None)
+        if loaded is not None:
+            state_of(full.language_model, loaded).owner = full
+        if sampler is not None:
+            SAMPLINGS[sampler] = server_sampling(importlib.import_module("mlx_vlm.generate.ar"), args, sampler)
+        return sampler
+
+    return wrapper
+
+
+def request_processors(make_logits_processors):
+    """Wrap ``ResponseGenerator._make_logits_processors(args, ...)``: a ``RequestProcessors`` carrying the request's
+    MTP options (``args.mtp``) to ``SplitGenerator.insert``."""
+
+    @functools.wraps(make_logits_processors)
+    def wrapper(self, args, *rest, **kwargs):
+        processors = RequestProcessors(make_logits_processors(self, args, *rest, **kwargs) or [])
+        processors.mtp = getattr(args, "mtp", None)
+        return processors
 
     return wrapper
 
@@ -105,8 +125,8 @@ def with_mtp_batching(batch_generator, captured: dict[str, bool]):
 
     @functools.wraps(batch_generator)
     def make(model, *args, **kwargs):
-        server, request = getattr(_serving, "current", (None, None))
-        full = getattr(server, "model", None)
+        state = getattr(model, "mtp_state", None)
+        full = None if state is None else state.owner
         loaded = getattr(full, "mtp_head", None)
         if (loaded is None or full.language_model is not model or kwargs.get("draft_model") is not None
                 or kwargs.get("apc_manager") is not None
@@ -118,10 +138,7 @@ def with_mtp_batching(batch_generator, captured: dict[str, bool]):
             return batch_generator(model, *args, **kwargs)
         mtp = batch_generator(BatchingModel(model, ctx), *args, **kwargs)
         described = kwargs.get("sampler")
-        sampling = None
-        if described is not None and request is not None:
-            sampling = server_sampling(importlib.import_module("mlx_vlm.generate.ar"), request.args, described)
-            SAMPLINGS[described] = sampling
+        sampling = None if described is None else SAMPLINGS.get(described)
         ctx.generator = {"sampler": mtp.sampler, "described": described,
                          "stop_criteria": mtp.tokenizer.stopping_criteria,
                          "keyed": sampling if sampling is not None and sampling.keyed is not None else None,
@@ -204,10 +221,9 @@ class SplitGenerator:
 
     def insert(self, prompts, max_tokens=None, prompt_kwargs=None, logits_processors=None,
                thinking_budget_criteria=None, **kwargs):
-        """mlx-vlm's ``insert``: a request into the MTP generator, or the stock one (``stock_reason``)."""
-        _, request = getattr(_serving, "current", (None, None))
-        _serving.current = None
-        args = getattr(request, "args", None)
+        """mlx-vlm's ``insert``: a request into the MTP generator, or the stock one (``stock_reason``); its MTP options
+        come with its logits processors (``RequestProcessors``; none: the server's)."""
+        request = getattr((logits_processors or [None])[0], "mtp", None)
         thinking = (thinking_budget_criteria or [None])[0]
         reason = self.stock_reason(thinking) if len(prompts) == 1 else "batched prompts"
         if reason is not None:
@@ -222,7 +238,7 @@ class SplitGenerator:
         uids = target.insert(prompts, max_tokens, prompt_kwargs=prompt_kwargs, logits_processors=logits_processors,
                              thinking_budget_criteria=thinking_budget_criteria, **kwargs)
         if target is self.mtp:
-            options = getattr(args, "mtp", None) or MTPRequest()
+            options = request or MTPRequest(defaults=server_options())
             self.requests[uids[0]] = options
             self.ctx.admit(uids[0], prompts[0], (prompt_kwargs or [{}])[0], options)
         return uids
@@ -272,7 +288,8 @@ def patch_server(patches, captured: dict[str, bool]) -> None:
     generation = importlib.import_module("mlx_vlm.server.generation")
     normalization = importlib.import_module("mlx_vlm.server.request_normalization")
     patches.wrap(normalization, "_build_gen_args", read_request_options)
-    patches.wrap(generation.ResponseGenerator, "_log_prefill_started", note_request)
+    patches.wrap(generation.ResponseGenerator, "_make_sampler", served_sampler)
+    patches.wrap(generation.ResponseGenerator, "_make_logits_processors", request_processors)
     patches.wrap(generation, "BatchGenerator", functools.partial(with_mtp_batching, captured=captured))
     ar = importlib.import_module("mlx_vlm.generate.ar")
     patches.wrap(ar.PromptProcessingBatch, "prompt_step", capture_prompt_step)

@@ -143,7 +143,7 @@ def test_a_batch_keeps_a_policy_per_context_band(trained):
 
 
 def test_a_conversations_next_turn_indexes_only_its_new_tokens(trained, monkeypatch):
-    """The lookup index of a prompt is kept (``BatchContext.lookup_index``): a request whose prompt extends it indexes
+    """The lookup index of a prompt is kept (``BatchingState.lookup_index``): a request whose prompt extends it indexes
     only the tokens it adds, and decodes stock's tokens."""
     model, tokenizer = trained
     generator = mtp_generator(model)

@@ -3,8 +3,20 @@ model (pure logic; the loops that call it are tested end to end in test_lookup, 
 
 import pytest
 
+from mtp_plugin.decoding.controller import PLAIN
 from mtp_plugin.decoding.lookup import LookupPolicy, LookupSettings, lookup_policy, new_prior
-from mtp_plugin.decoding.scheduler import PLAIN_STEP, Ask, Chain, CostModel, Decision, RowState, plan, pricing
+from mtp_plugin.decoding.scheduler import (
+    PLAIN_STEP,
+    Ask,
+    Chain,
+    CostModel,
+    Decision,
+    RowState,
+    Scheduler,
+    plan,
+    pricing,
+)
+from mtp_plugin.decoding.single import DEFAULT_DEPTH
 
 CPU_BF16 = CostModel(0.43)  # a pass of k positions costs 1 + 0.43(k-1) plain steps (bf16 on a compute-bound CPU)
 GPU = CostModel(0.02)  # a pass of a few positions costs little more than one
@@ -120,3 +132,36 @@ def test_sampled_generations_learn_the_first_prior_of_lookup_drafts():
     assert LookupPolicy(prior=prior).chains[4].expected(1)[1] - 1 > 0.75
     own = lookup_policy(LookupSettings(first_prior=0.3), False, prior)  # constants the user set stay theirs
     assert own.prior is None and own.chains[2].expected(1) == pytest.approx([1.0, 1.3])
+
+
+def test_one_scheduler_keys_both_loops_alike():
+    """One keying rule (temperature rounded to 0.1, batch-size class, context band) for a single generation and a
+    batch; a new band starts at the nearest shorter band's choice, a new one-row key at the default depth, larger
+    batches parked; a depth policy is asked and told only through the scheduler."""
+    scheduler = Scheduler(0.3, new_prior())
+    one = scheduler.controller(0.0, 1, 100)
+    assert scheduler.controller(0.04, 1, 2047) is one and one.choice == DEFAULT_DEPTH
+    pair = scheduler.controller(0.0, 2, 100)
+    assert pair is not one and scheduler.controller(0.0, 3, 100) is pair and pair.choice == PLAIN
+    one.choice = 3
+    assert scheduler.controller(0.0, 1, 5000).choice == 3  # band 2 starts at band 0's choice
+    assert scheduler.controller(0.7, 1, 5000).choice == DEFAULT_DEPTH  # another temperature: its own
+
+    class Policy:
+        def __init__(self, depth):
+            self.depth, self.told = depth, []
+
+        def next_depth(self):
+            return self.depth
+
+        def observe(self, *report):
+            self.told.append(report)
+
+    assert scheduler.next_depth(Policy(3)) == 3
+    with pytest.raises(ValueError, match="0..8"):
+        scheduler.next_depth(Policy(9))
+    policy = Policy(2)
+    scheduler.observe(2, None, 1.0, policy, [(2, 1), (PLAIN, 0)])  # head steps ran: no cost measured
+    assert policy.told == [(2, 1, 0.5), (PLAIN, 0, 0.5)] and not scheduler.costs.of(2).seconds
+    scheduler.observe(2, 3, 0.8)
+    assert list(scheduler.costs.of(3).seconds) == [3] and not scheduler.costs.of(1).seconds

@@ -106,25 +106,24 @@ def server_batch_tokens(model, wrapped: bool, args, batches: int, rows: int = 4)
     server builds for a request with ``args`` (``wrapped``: the plugin's, else mlx-vlm's own)."""
     from mlx_vlm.server.generation import ResponseGenerator
     from mlx_vlm.utils import StoppingCriteria
-    from mtp_plugin.adapters import mlx_vlm_server
 
     generation = importlib.import_module("mlx_vlm.server.generation")
     factory = generation.BatchGenerator if wrapped else importlib.import_module("mlx_vlm.generate.ar").BatchGenerator
-    server, request = type("Server", (), {"model": model})(), type("Request", (), {"args": args})()
+    server = type("Server", (), {"model": model})()
     processor = type("Processor", (), {"tokenizer": type("Tokenizer", (), {})()})()
     processor.tokenizer.stopping_criteria = StoppingCriteria([], None)  # a vocabulary of 24 ids: no end token
     fields = model.get_input_embeddings(mx.array([PROMPT]), None).to_dict()
     keywords = {k: v for k, v in fields.items() if v is not None}
     mx.random.seed(4321)
     out = []
-    for _ in range(batches):
-        mlx_vlm_server._serving.current = (server, request)
-        generator = factory(model.language_model, processor, sampler=ResponseGenerator._make_sampler(None, args),
+    for _ in range(batches):  # the server's own calls: its sampler, then each request's processors carrying its options
+        generator = factory(model.language_model, processor, sampler=ResponseGenerator._make_sampler(server, args),
                             compute_logprobs=False)
         tokens = {}
         for _ in range(rows):
-            mlx_vlm_server._serving.current = (server, request)
-            tokens.update({uid: [] for uid in generator.insert([PROMPT], max_tokens=3, prompt_kwargs=[keywords])})
+            processors = ResponseGenerator._make_logits_processors(server, args)
+            tokens.update({uid: [] for uid in generator.insert([PROMPT], max_tokens=3, prompt_kwargs=[keywords],
+                                                               logits_processors=[processors])})
         while generator.has_work:
             for r in generator.next()[1]:
                 tokens[r.uid].append(r.token)

@@ -209,17 +209,18 @@ def _generators(checkpoint):
         fields = model.get_input_embeddings(mx.array([ids]), None).to_dict()
         keywords.append({k: v for k, v in fields.items() if v is not None})
 
-    def make(wrapped: bool, args):
-        mlx_vlm_server._serving.current = (server, type("Request", (), {"args": args})())
+    def make(wrapped: bool, args):  # as the server builds it: its sampler first (greedy: None)
         ar = importlib.import_module("mlx_vlm.generate.ar")
         factory = generation.BatchGenerator if wrapped else ar.BatchGenerator
-        return factory(model.language_model, processor, compute_logprobs=False)
+        sampler = generation.ResponseGenerator._make_sampler(server, args)
+        return factory(model.language_model, processor, sampler=sampler, compute_logprobs=False)
 
     def decode(generator, args) -> list[list[int]]:
         uids = []
-        for ids, kw in zip(texts, keywords, strict=True):
-            mlx_vlm_server._serving.current = (server, type("Request", (), {"args": args})())
-            uids += generator.insert([ids], max_tokens=12, prompt_kwargs=[kw])
+        for ids, kw in zip(texts, keywords, strict=True):  # each request's options carried by its processors
+            carried = mlx_vlm_server.RequestProcessors(args.logits_processors or [])
+            carried.mtp = getattr(args, "mtp", None)
+            uids += generator.insert([ids], max_tokens=12, prompt_kwargs=[kw], logits_processors=[carried])
         tokens = {uid: [] for uid in uids}
         while generator.has_work:
             for r in generator.next()[1]:

@@ -220,9 +220,7 @@ class BatchLoop:
             row.tokens += [row.last, *verified.blocks[i][: emitted[i] - 1]]
         state.drafter.commit(rows, self.cache, self.head_cache, verified, emitted)
         self._final_calls(finished, [n > a for n, a in zip(emitted, verified.accepted, strict=True)])
-        seconds = time.perf_counter() - start
-        if not verified.head_width:  # a pass with no head steps: its cost is the verify pass's alone
-            state.scheduler.observe(len(rows), max(verified.depths) + 1, seconds)
+        seconds, decided = time.perf_counter() - start, []
         for i, row in enumerate(rows):
             d, a, match = verified.depths[i], verified.accepted[i], verified.matches[i]
             row.schedule.observe(d, match, a)
@@ -242,7 +240,10 @@ class BatchLoop:
             else:
                 row.stats.plain += 1
             if row.depth is None:
-                policy.observe(d, a, seconds / len(rows))
+                decided.append((d, a))
+        # a pass with no head steps: its cost is the verify pass's alone
+        width = None if verified.head_width else max(verified.depths) + 1
+        state.scheduler.observe(len(rows), width, seconds, policy, decided)
         return self._respond(verified.blocks, verified.logprobs, finished)
 
     def _plain(self, policy, start: float) -> list:
@@ -256,10 +257,8 @@ class BatchLoop:
         for row, token in zip(self.rows, tokens, strict=True):
             row.tokens.append(token)  # fed by the queued step
         seconds = time.perf_counter() - start
-        self.state.scheduler.observe(len(self.rows), 1, seconds)
-        for row in self.rows:
-            if row.depth is None:
-                policy.observe(PLAIN, 0, seconds / len(self.rows))
+        decided = [(PLAIN, 0)] * sum(row.depth is None for row in self.rows)
+        self.state.scheduler.observe(len(self.rows), 1, seconds, policy, decided)
         finished = [self.end(row, t) for row, t in zip(self.rows, tokens, strict=True)]
         return self._respond([[t] for t in tokens], step.logprobs[:, None], finished)
 

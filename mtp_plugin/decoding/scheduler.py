@@ -192,9 +192,14 @@ class Scheduler:
         else the static prior, or a slope the rows' ``lookups`` settings fix. The one place ``plan`` is called."""
         return plan(asks, self.price(len(asks), measured, lookups))
 
-    def observe(self, rows: int, width: int, seconds: float) -> None:
-        """A pass of ``rows`` rows, ``width`` positions wide, took ``seconds`` (no head draft steps in it)."""
-        self.costs.of(rows).observe(width, seconds)
+    def observe(self, rows: int, width: int | None, seconds: float, policy=None, outcomes=()) -> None:
+        """A pass of ``rows`` rows took ``seconds``: ``width`` positions wide with no head draft steps in it (its cost
+        is measured), None when the head drafted; ``policy`` is told each of ``outcomes`` ((depth, accepted) of a row
+        it decided; depth 0: a plain step) with the pass's seconds per row. The one place a depth policy is told."""
+        if width is not None:
+            self.costs.of(rows).observe(width, seconds)
+        for depth, accepted in outcomes:
+            policy.observe(depth, accepted, seconds / rows)
 
 
 @dataclass

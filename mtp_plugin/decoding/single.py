@@ -595,8 +595,7 @@ def generate(
                 following, launch = queue(ask(1, behind=True))
                 block = loop.last.tolist()
                 seconds = clock.lap() - launch + own_launch
-                policy.observe(PLAIN, 0, seconds)
-                scheduler.observe(1, 1, seconds)
+                scheduler.observe(1, 1, seconds, policy, [(PLAIN, 0)])
                 row.observe(0, 0, 0)
                 if lookup is not None:
                     lookup.index.extend(block)
@@ -631,10 +630,10 @@ def generate(
             following, launch = queue(ask(accepted + 1 - emitted))
             seconds = clock.lap() - launch + own_launch
             row.observe(cycle.depth, cycle.match, accepted)
-            if cycle.match:
+            if cycle.match:  # a lookup cycle: no head steps, the verify pass's cost alone
                 scheduler.observe(1, cycle.depth + 1, seconds)
             else:
-                policy.observe(cycle.depth, accepted, seconds)
+                scheduler.observe(1, None, seconds, policy, [(cycle.depth, accepted)])
     except LockstepError:
         diverged = True  # the ranks no longer match: their caches are left as they are
         raise

@@ -19,13 +19,16 @@ class ModelState:
     ``batching``: a runtime adapter's ``batching.BatchingState``, kept across its batch generators (None: none yet; a
     failed one stays, so that every later batch decodes stock); ``lookup_stats``: a model without a head, the
     counters of its latest generation that drafted from the context (with a head: ``LoadedHead.stats``); ``serving``:
-    the options of the server command line serving the model (None: not served; its requests carry their own)."""
+    the options of the server command line serving the model (None: not served; its requests carry their own);
+    ``owner``: the runtime model this one is part of, where a server said so (mlx-vlm: a language model's full
+    model)."""
 
     head: object
     scheduler: Scheduler
     batching: object | None = None
     lookup_stats: MTPStats | None = None
     serving: MTPOptions | None = None
+    owner: object = None
 
 
 def state_of(model, loaded) -> ModelState:
