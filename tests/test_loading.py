@@ -137,15 +137,15 @@ def test_unpatch_restores_stock_functions():
     import mlx_lm.server as s
     import mlx_lm.utils as u
 
-    patched = (u.load_model, q.Model.sanitize, s.main, s.ResponseGenerator._is_batchable)
+    patched = (u.load_model, q.Model.sanitize, s.main, s.ResponseGenerator._tokenize)
     mtp_plugin.unpatch()
     mtp_plugin.unpatch()
-    stock = (u.load_model, q.Model.sanitize, s.main, s.ResponseGenerator._is_batchable)
+    stock = (u.load_model, q.Model.sanitize, s.main, s.ResponseGenerator._tokenize)
     assert all(a is not b for a, b in zip(patched, stock, strict=True))
     assert not any(hasattr(f, "__wrapped__") for f in stock)
     mtp_plugin.patch()
     mtp_plugin.patch()
-    assert [f.__wrapped__ for f in (u.load_model, s.main, s.ResponseGenerator._is_batchable)] == [
+    assert [f.__wrapped__ for f in (u.load_model, s.main, s.ResponseGenerator._tokenize)] == [
         stock[0], stock[2], stock[3]]
     assert not hasattr(u.load_model.__wrapped__, "__wrapped__")
 
