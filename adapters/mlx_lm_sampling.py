@@ -7,7 +7,7 @@ import functools
 import inspect
 import weakref
 
-from mtp_plugin.decoding.single import Sampling
+from mtp_plugin.decoding.sampling import Sampling
 
 SAMPLINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sampler -> Sampling, None when greedy
 

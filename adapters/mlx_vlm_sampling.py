@@ -10,7 +10,7 @@ import inspect
 import mlx.core as mx
 
 from mtp_plugin.decoding.drafter import log_softmax
-from mtp_plugin.decoding.single import Sampling
+from mtp_plugin.decoding.sampling import Sampling
 
 from .patching import release
 

@@ -469,7 +469,7 @@ def test_one_and_two_token_prompts(trained, together):
 def fresh(trained):
     """The trained model with a fresh batching context (a fault stops batched MTP for the model's lifetime)."""
     model, tokenizer = trained
-    model.mtp_state.batching = None
+    state_of(model, model.mtp_head).batching = None
     yield model, tokenizer
     model.mtp_state.batching = None
 
@@ -489,7 +489,7 @@ def inject(monkeypatch, owner, name: str, call: int):
 
 
 FAULTS = {  # where a bug of the plugin's can strike: the part it breaks, and at which call
-    "cycle": ("mtp_plugin.decoding.batch.BatchDrafter", "cycle", 3),
+    "cycle": ("mtp_plugin.decoding.batch.BatchDrafter", "launch", 3),
     "commit": ("mtp_plugin.decoding.batch.BatchDrafter", "commit", 2),
     "plain": ("mtp_plugin.decoding.batch.BatchDrafter", "plain", 2),
     "head-prompt": ("mtp_plugin.decoding.drafter.Drafter", "prefill", 2),

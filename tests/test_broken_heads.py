@@ -169,7 +169,7 @@ def test_nonfinite_drafts_parked_in_mlx_vlm(tmp_path):
 def test_nonfinite_check_inside_acceptance():
     """The acceptance functions never let a non-finite q through: the draft is rejected and the token
     drawn in its place comes from p alone (here p puts all its mass on token 2)."""
-    from mtp_plugin.decoding.single import NONFINITE, accept_sampled, reject_nonfinite
+    from mtp_plugin.decoding.acceptance import NONFINITE, accept_sampled, reject_nonfinite
 
     p = mx.array([[0.0, 0.0, 1.0, 0.0]] * 3)
     q = mx.full((2, 4), mx.nan)

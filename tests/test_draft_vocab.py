@@ -18,7 +18,7 @@ from mlx_lm import load
 from mlx_lm.sample_utils import make_sampler
 
 from mtp_plugin import tuning
-from mtp_plugin.decoding.drafter import Drafter
+from mtp_plugin.decoding.batch import BatchDrafter
 from mtp_plugin.head import draft_vocab
 from mtp_plugin.plugins import hook
 
@@ -35,14 +35,14 @@ def subset_of(model, ids):
 def spy_drafts(monkeypatch) -> list[int]:
     """Every draft token the single-stream loop proposes from now on."""
     drafted = []
-    original = Drafter.draft
+    original = BatchDrafter._choose
 
-    def draft(self, depth, position=0):
-        out = original(self, depth, position)
+    def choose(self, rows, g, depths, k, allowed=None):
+        out = original(self, rows, g, depths, k, allowed)
         drafted.extend(out[0].reshape(-1).tolist())
         return out
 
-    monkeypatch.setattr(Drafter, "draft", draft)
+    monkeypatch.setattr(BatchDrafter, "_choose", choose)
     return drafted
 
 

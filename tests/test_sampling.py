@@ -87,16 +87,16 @@ def test_mtp_sampling_matches_trunk_distribution(model, temp, top_k, depth):
 def test_mtp_sampling_with_draft_vocabulary_matches_trunk_distribution(model, monkeypatch):
     """Drafts from half the vocabulary only (q zero outside it): the output keeps the trunk's distribution, and no
     draft is ever outside the subset."""
-    from mtp_plugin.decoding.drafter import Drafter
+    from mtp_plugin.decoding.batch import BatchDrafter
     from mtp_plugin.head import draft_vocab
     from mtp_plugin.plugins import hook
 
     ids = list(range(0, VOCAB, 2))
     model.mtp_head.draft_vocab = draft_vocab.build(
         hook().mtp_trunk(model=model, contract=model.mtp_head.module.contract), ids, "test")
-    drafted, original = [], Drafter.draft
-    monkeypatch.setattr(Drafter, "draft", lambda self, d, at: drafted.extend((out := original(self, d, at))[0]
-                                                                              .reshape(-1).tolist()) or out)
+    drafted, original = [], BatchDrafter._choose
+    monkeypatch.setattr(BatchDrafter, "_choose", lambda self, *a: drafted.extend((out := original(self, *a))[0]
+                                                                                 .reshape(-1).tolist()) or out)
     generate_step = importlib.import_module("mlx_lm.generate").generate_step
     sampler = make_sampler(temp=1.0)
     mx.random.seed(4321)
@@ -180,7 +180,8 @@ def test_walk_sampling_matches_processed_distributions():
     sampling: the first token is drawn from the processed p0, the token after an accepted draft from p1, the bonus
     token after two from p2, whatever q the drafts came from (a head whose output is not finite: every draft
     rejected, the first token still from p0)."""
-    from mtp_plugin.decoding.single import Sampling, Walk
+    from mtp_plugin.decoding.acceptance import Walk
+    from mtp_plugin.decoding.sampling import Sampling
 
     rng = np.random.default_rng(0)
     vocab, trials = 6, 3000

@@ -314,13 +314,13 @@ def test_a_batch_drafts_where_mlx_vlm_verifies_it_in_one_pass(checkpoint, monkey
     args = GenerationArguments(max_tokens=12)
     args.mtp = MTPRequest(None, depth)
     expected = decode(make(False, args), args)
-    cycle, widths = BatchDrafter.cycle, []
+    launch, widths = BatchDrafter.launch, []
 
     def counted(self, rows, *a, **k):
         widths.append(len(rows))
-        return cycle(self, rows, *a, **k)
+        return launch(self, rows, *a, **k)
 
-    monkeypatch.setattr(BatchDrafter, "cycle", counted)
+    monkeypatch.setattr(BatchDrafter, "launch", counted)
     assert decode(make(True, args), args) == expected
     together = widths.count(2)
     assert together > 0 if release("mlx-vlm") >= (0, 7) or depth else together == 0, widths

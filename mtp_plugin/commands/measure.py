@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from .. import tuning
 from ..decoding import rollback
+from ..decoding.acceptance import accept_greedy
 from ..decoding.drafter import draft_logits, log_softmax, propose
-from ..decoding.single import accept_greedy
 from ..decoding.stats import MTPStats
 from ..decoding.trunk import trunk_parts
 from ..files import atomic_write

@@ -1,6 +1,7 @@
-"""Batched MTP decoding: one trunk verify pass for every row of a continuous batch, each row accepting and rolling
-back to its own prefix. Between cycles a row's trunk cache holds every token before ``last``, and its pending head
-pairs end with the pair whose token is ``last``. Design: docs/decoding.md#batched-decoding."""
+"""The MTP cycle over rows, for a continuous batch and for one stream alike (a one-row batch): the head drafts, one
+trunk verify pass checks every row's drafts, each row accepts and rolls back to its own prefix. Between cycles a row's
+trunk cache holds every token before ``last``, and its pending head pairs end with the pair whose token is ``last``.
+Design: docs/decoding.md#batched-decoding, docs/development.md#the-engines-shape."""
 
 from __future__ import annotations
 
@@ -12,12 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import rollback
-from .drafter import PendingPairs, draft_logits, log_softmax, propose
-from .grammar import Grammar, constrain
-from .scheduler import RowState
-from .single import (
+from .acceptance import (
     NONFINITE,
-    Sampling,
     Walk,
     accept_greedy,
     accept_matching,
@@ -25,6 +22,10 @@ from .single import (
     processed_logprobs,
     reject_nonfinite,
 )
+from .drafter import Heads, PendingPairs, draft_logits, log_softmax, propose
+from .grammar import Grammar, constrain
+from .sampling import Sampling
+from .scheduler import RowState
 from .stats import MTPStats
 
 
@@ -33,6 +34,7 @@ class Row:
     """One request's decoding state between cycles.
 
     Attributes:
+        last: the newest token, not yet fed; one stream's may be an array (1,) not read yet.
         pending: head pairs not yet fed (the last ``drafter.HISTORY_WINDOW`` at most).
         sampler: the runtime's sampler, for plain steps of a row that cannot draft (None: argmax).
         history: token ids (N,) the processors have seen (None without processors).
@@ -51,7 +53,7 @@ class Row:
         extra: the runtime adapter's own per-row state (its stop rule, what its responses need).
     """
 
-    last: int
+    last: int | mx.array
     pending: PendingPairs = field(default_factory=PendingPairs)
     sampling: Sampling | None = None
     sampler: Callable | None = None
@@ -95,6 +97,40 @@ class Verified:
 
 
 @dataclass
+class Drafted:
+    """The head's drafts of a cycle: per draft step its tokens (B,) and per row q (1, V) (None: greedy, keyed, or a
+    token a grammar forced), the steps run (``width``), every row's output finite so far (B,), per row the drafts its
+    grammar forced or changed."""
+
+    forced: list[int]
+    masked: list[int]
+    tokens: list[mx.array] = field(default_factory=list)
+    qs: list[list] = field(default_factory=list)
+    width: int = 0
+    finite: mx.array = field(default_factory=lambda: mx.array(True))
+
+
+@dataclass
+class Launched:
+    """A cycle queued by ``BatchDrafter.launch``, not read yet; fields as ``Verified``'s. ``logprobs``: per row (D+1,
+    V), None for a row read position by position (its ``walks`` entry); ``accepted`` (B,) and ``tokens`` (B, D+1)
+    lazy (a walk's row: zeros)."""
+
+    depths: list[int]
+    matches: list[int]
+    head_width: int
+    inputs: mx.array
+    hidden: mx.array
+    recorder: rollback.Recorder | None
+    forced: list[int]
+    masked: list[int]
+    logprobs: list = field(default_factory=list)
+    accepted: mx.array | None = None
+    tokens: mx.array | None = None
+    walks: dict[int, Walk] = field(default_factory=dict)
+
+
+@dataclass
 class Step:
     """A queued plain step of every row: the fed tokens' hidden states, the log-probs after them, the next tokens."""
 
@@ -115,46 +151,17 @@ class Step:
 
 
 class BatchDrafter:
-    """Runs cycles over a batch of rows; ``trunk`` takes batched inputs (B, S); ``head`` None: lookup drafts only.
-    ``vocab``: the head's ``head.draft_vocab.DraftVocabulary`` or None, set by the runtime adapter before each batch."""
+    """Runs cycles (``launch``, ``read``, ``commit``) and plain steps over rows; ``trunk`` takes batched inputs (B, S);
+    ``head`` None: lookup drafts only. ``vocab``: the head's ``head.draft_vocab.DraftVocabulary`` or None (a runtime
+    adapter sets it before each batch)."""
 
     def __init__(self, trunk, head: nn.Module | None):
         self.trunk, self.head, self.vocab = trunk, head, None
 
-    def _feed(self, rows: list[Row], head_cache) -> mx.array | None:
-        """Feed every row's pending pairs in one right-padded pass; the last output per row (B, 1, H), or None."""
-        counts = [len(r.pending) for r in rows]
-        width = max(counts)
-        if width == 0:
-            return None
-        pairs = [row.pending.take() for row in rows]
-        like = next(p[0] for p in pairs if p is not None)  # (1, n, H): shape and dtype of a pair
-        hidden, tokens = [], []
-        for p, n in zip(pairs, counts, strict=True):
-            h, t = p if p is not None else (mx.zeros((1, 0, like.shape[2]), like.dtype), mx.zeros((0,), mx.uint32))
-            hidden.append(mx.pad(h, [(0, 0), (0, width - n), (0, 0)]))
-            tokens.append(mx.pad(t.astype(mx.uint32), [(0, width - n)]))
-        hidden, tokens = mx.concatenate(hidden), mx.stack(tokens)
-        padding = [width - n for n in counts]
-        if max(padding):
-            head_cache.prepare(right_padding=padding)
-        mask = head_cache.make_mask(width)
-        out = self.head(hidden, self.trunk.embed(tokens), cache=head_cache, mask=mask,
-                        positions=self._positions(head_cache, width))
-        head_cache.finalize()
-        last = mx.array([max(n - 1, 0) for n in counts])[:, None, None]
-        return mx.take_along_axis(out, last, axis=1)
-
-    def _positions(self, head_cache, length: int) -> mx.array | None:
-        """The head's positions for its next ``length`` pairs per row (the trunk's ``batch_head_positions(head_cache,
-        length)``, e.g. multimodal ones (3, B, length)); None: the head's layer derives them from its cache offset."""
-        positions = getattr(self.trunk, "batch_head_positions", None)
-        return None if positions is None else positions(head_cache, length)
-
-    def _choose(self, rows: list[Row], g: mx.array, depths: list[int], allowed: mx.array | None = None
+    def _choose(self, rows: list[Row], g: mx.array, depths: list[int], k: int, allowed: mx.array | None = None
                 ) -> tuple[mx.array, list, mx.array | None]:
-        """Draft tokens (B,) from head outputs g (B, 1, H), per sampled row its q (1, V), and, under ``allowed``
-        (B, T) grammar masks (full vocabulary then), the head's unmasked top tokens (B,)."""
+        """Draft tokens (B,) of draft step ``k`` from head outputs g (B, 1, H), per sampled row its q (1, V), and,
+        under ``allowed`` (B, T) grammar masks (full vocabulary then), the head's unmasked top tokens (B,)."""
         vocab = self.vocab if allowed is None else None
         logits = draft_logits(g[:, 0], self.trunk, vocab)
         top = None if allowed is None else mx.argmax(logits, axis=-1)
@@ -163,7 +170,7 @@ class BatchDrafter:
             return propose(logits, vocab=vocab)[0], [None] * len(rows), top
         tokens, qs = [], []
         for i, row in enumerate(rows):
-            token, q = propose(logits[i : i + 1], row.sampling if depths[i] else None, vocab)
+            token, q = propose(logits[i : i + 1], row.sampling if depths[i] else None, vocab, row.position + k)
             tokens.append(token)
             qs.append(q)
         return mx.concatenate(tokens), qs, top
@@ -206,93 +213,129 @@ class BatchDrafter:
         mx.async_eval(step.tokens, step.logprobs)
         return step
 
-    def cycle(self, rows: list[Row], cache: list, head_cache, depths: list[int], ends=None,
-              lookups: list[tuple[list[int], int] | None] | None = None) -> Verified:
-        """Queue and run one cycle: draft, verify in one trunk pass, accept per row (one host sync, or one per
-        position for rows with processors: ``single.Walk``); the ``Verified`` outcome, caches not yet committed
-        (``commit``). A row's processors have seen its block's last token iff ``len(block) <= accepted``; else
-        ``final_call`` makes that call.
+    def launch(self, rows: list[Row], cache: list, heads: Heads, depths: list[int],
+               lookups: list[tuple[list[int], int] | None] | None = None, walk_first: bool = True,
+               drafts_only: bool = False) -> Launched | None:
+        """Queue one cycle, evaluated asynchronously: draft, verify in one trunk pass, accept per row; ``read`` reads
+        it, ``commit`` keeps it. A grammar consumes its row's drafts.
 
         Args:
+            heads: the head's side (``drafter.BatchHeads``; one stream's: ``drafter.Drafter``).
             depths: per row, the drafts wanted (0..8); a row with no pending pair decodes plain.
-            ends: ``ends(i, token) -> bool``, called once per token of row i's block in order: True cuts the block there
-                (the row finishes on it). None: no row finishes inside a block.
             lookups: per row, ``(drafts, match)``: context token ids verified instead of the head's drafts (its depth
                 ignored) and the match length; None: the head's.
+            walk_first: a row with processors has their call for its ``last`` made now (``acceptance.Walk.process``);
+                False: by whoever reads its walk.
+            drafts_only: None, nothing queued, when no row has a draft to verify.
+
+        Raises:
+            rollback.CaptureMissed: the capture points were removed during the pass (caches restored).
         """
-        lookups = list(lookups or [None] * len(rows))
-        allowed = {}  # per constrained row: its grammar's masks before each draft and after the last
+        lookups, allowed = self._cut(rows, heads, list(lookups or [None] * len(rows)))
+        depths = [0 if looked is not None or not len(row.pending) or (row.grammar and row.grammar.stopped) else d
+                  for row, d, looked in zip(rows, depths, lookups, strict=True)]
+        if drafts_only and not any(depths) and not any(lookups):
+            return None
+        drafted = self._draft(rows, heads, depths, allowed)
+        if drafted.width:  # queued now: the head runs while the verify pass is built, and every rank of a sharded
+            mx.async_eval(drafted.tokens)  # trunk meets the collectives in its pairs' graph before the pass's own
+        matches = [0 if looked is None else looked[1] for looked in lookups]
+        depths = [d if looked is None else len(looked[0]) for d, looked in zip(depths, lookups, strict=True)]
+        width = max(depths)
+        last = _lasts(rows)
+        inputs = last
+        if width:
+            head = mx.stack(drafted.tokens, axis=1).astype(mx.uint32) if drafted.width else None
+            inputs = mx.concatenate([last, mx.stack([
+                mx.array(looked[0] + [0] * (width - len(looked[0])), dtype=mx.uint32) if looked is not None
+                else mx.pad(head[i], [(0, width - drafted.width)]) if drafted.width
+                else mx.zeros((width,), mx.uint32) for i, looked in enumerate(lookups)])], axis=1)
+        recorder = None
+        if width:
+            undo = rollback.snapshot(cache)
+            with rollback.capturing(width + 1) as recorder:
+                hidden = self.trunk.hidden(inputs, cache)
+            if recorder.missed(cache):
+                undo(width + 1)
+                raise rollback.CaptureMissed("the runtime's capture points were removed during the verify pass")
+        else:
+            hidden = self.trunk.hidden(inputs, cache)
+        launched = Launched(depths, matches, drafted.width, inputs, hidden, recorder, drafted.forced, drafted.masked)
+        self._accept(rows, launched, drafted, allowed, walk_first)
+        return launched
+
+    def _cut(self, rows: list[Row], heads: Heads, lookups: list) -> tuple[list, dict[int, list]]:
+        """Lookup drafts cut at the first token a row's grammar forbids (None when that is the first: the row drafts
+        with the head), the head told of each lookup cycle (``Heads.room``); per constrained row its grammar's masks
+        before each draft and after the last (lookup drafts consumed by it)."""
+        allowed = {}
         for i, row in enumerate(rows):
-            if row.grammar is not None and lookups[i] is not None:  # cut at the first token the grammar forbids
+            if row.grammar is not None and lookups[i] is not None:
                 cut = lookups[i][0][: row.grammar.valid_prefix(lookups[i][0])]
                 lookups[i] = (cut, lookups[i][1]) if cut else None
                 allowed[i] = row.grammar.walk(cut)
             elif row.grammar is not None:
                 allowed[i] = [row.grammar.allowed()]
-        depths = [0 if looked is not None or not len(row.pending) or (row.grammar and row.grammar.stopped) else d
-                  for row, d, looked in zip(rows, depths, lookups, strict=True)]
+            if lookups[i] is not None:
+                heads.room(row, len(lookups[i][0]) + 1)
+        return lookups, allowed
+
+    def _draft(self, rows: list[Row], heads: Heads, depths: list[int], allowed: dict[int, list]) -> Drafted:
+        """Run the head's draft steps for rows' ``depths`` (cut where a row's grammar completes); rows with no head
+        depth keep their pairs for later."""
+        drafted = Drafted(forced=[0] * len(rows), masked=[0] * len(rows))
         head_width = max(depths)
-        g = self._feed(rows, head_cache) if head_width else None  # parked rows keep their pairs for later
-        drafts, qs, finite = [], [], mx.array(True)
-        forced, masked = [0] * len(rows), [0] * len(rows)
+        g = heads.open(rows) if head_width else None
         for k in range(head_width):
-            finite = finite & mx.all(mx.isfinite(g), axis=(1, 2))  # (B,) once a row's output is seen
+            drafted.finite = drafted.finite & mx.all(mx.isfinite(g), axis=(1, 2))  # (B,) once a row's output is seen
             steering = {i for i in allowed if depths[i] > k}  # constrained rows drafting at this step
             masks = _stack([allowed[i][-1] if i in steering else None for i in range(len(rows))]) if steering else None
-            x, q, top = self._choose(rows, g, depths, masks)
+            x, q, top = self._choose(rows, g, depths, k, masks)
             if steering:
-                x = self._steer(rows, steering, x, q, top, allowed, depths, k, forced, masked)
-            drafts.append(x)
-            qs.append(q)
+                x = self._steer(rows, steering, x, q, top, allowed, depths, k, drafted.forced, drafted.masked)
+            drafted.tokens.append(x)
+            drafted.qs.append(q)
+            drafted.width = k + 1
             if k + 1 >= max(depths):  # constrained rows may stop early: no further head step
-                head_width = k + 1
                 break
-            g = self.head(g, self.trunk.embed(x[:, None]), cache=head_cache, mask=head_cache.make_mask(1),
-                          positions=self._positions(head_cache, 1))
-        matches = [0 if looked is None else looked[1] for looked in lookups]
-        depths = [d if looked is None else len(looked[0]) for d, looked in zip(depths, lookups, strict=True)]
-        width = max(depths)
-        last = mx.array([r.last for r in rows], dtype=mx.uint32)[:, None]
-        inputs = last
-        if width:
-            head = mx.stack(drafts, axis=1).astype(mx.uint32) if head_width else None
-            inputs = mx.concatenate([last, mx.stack([
-                mx.array(looked[0] + [0] * (width - len(looked[0])), dtype=mx.uint32) if looked is not None
-                else mx.pad(head[i], [(0, width - head_width)]) if head_width
-                else mx.zeros((width,), mx.uint32) for i, looked in enumerate(lookups)])], axis=1)
-        recorder = None
-        if width:
-            with rollback.capturing(width + 1) as recorder:
-                hidden = self.trunk.hidden(inputs, cache)
-        else:
-            hidden = self.trunk.hidden(inputs, cache)
-        logits = self.trunk.trunk_logits(hidden)
-        logprobs, accepted, tokens, walks = [], [], [], {}
+            g = heads.advance(g, x)
+        return drafted
+
+    def _accept(self, rows: list[Row], launched: Launched, drafted: Drafted, allowed: dict[int, list],
+                walk_first: bool) -> None:
+        """Queue each row's acceptance of its verified drafts on ``launched`` (a row with processors: its walk)."""
+        depths, matches, inputs, width = launched.depths, launched.matches, launched.inputs, max(launched.depths)
+        logits = self.trunk.trunk_logits(launched.hidden)
+        accepted, tokens = [], []
         for i, row in enumerate(rows):
             d = depths[i]
-            q, row_finite = None, finite[i] if head_width else finite
+            q, row_finite = None, drafted.finite[i] if drafted.width else drafted.finite
             keyed = row.sampling is not None and row.sampling.keyed is not None
             row_logits = logits[i, : d + 1] if i not in allowed else constrain(logits[i, : d + 1],
                                                                                   mx.stack(allowed[i][: d + 1]))
             if d and row.sampling is not None and not keyed:
                 point = (mx.arange(logits.shape[-1])[None] == inputs[i, 1 : d + 1, None]).astype(mx.float32)
-                if matches[i]:  # a lookup row: a point mass at each draft (``single._Loop.launch_lookup``)
+                if matches[i]:  # a lookup row: a point mass at each draft
                     q, row_finite = point, mx.array(True)
                 else:  # a draft its grammar forced has no q: a point mass too
-                    q = mx.concatenate([point[k : k + 1] if qs[k][i] is None else qs[k][i] for k in range(d)])
-            if d and row.processors:  # read position by position below
-                walks[i] = Walk(logits[i, : d + 1], inputs[i, : d + 1], row.history, row.processors, row.sampling,
-                                q, row_finite, row.position)
-                walks[i].process()
-                logprobs.append(None)
+                    q = mx.concatenate([point[k : k + 1] if drafted.qs[k][i] is None else drafted.qs[k][i]
+                                        for k in range(d)])
+            if d and row.processors:  # read position by position (``read``, or the caller)
+                walk = launched.walks[i] = Walk(logits[i, : d + 1], inputs[i, : d + 1], row.history, row.processors,
+                                                row.sampling, q, row_finite, row.position)
+                if walk_first:
+                    walk.process()
+                else:
+                    mx.async_eval(logits)
+                launched.logprobs.append(None)
                 accepted.append(mx.array(0))
                 tokens.append(mx.zeros((width + 1,), mx.uint32))
                 continue
             lp = processed_logprobs(row_logits, inputs[i, : d + 1], row.history, row.processors)
-            logprobs.append(mx.pad(lp, [(0, width - d), (0, 0)]))
+            launched.logprobs.append(_pad(lp, width - d))
             if d == 0:
                 accepted.append(mx.array(0))
-                tokens.append(mx.pad(self._pick(row, lp).astype(mx.uint32), [(0, width)]))
+                tokens.append(_pad(self._pick(row, lp).astype(mx.uint32), width))
                 continue
             row_drafts = inputs[i, 1 : d + 1]
             if row.sampling is None:  # greedy: the block is the trunk's argmax whatever the drafts
@@ -302,22 +345,37 @@ class BatchDrafter:
             else:
                 a, block = accept_sampled(row.sampling.probs(lp), q, row_drafts, row_finite)
             accepted.append(reject_nonfinite(a, row_finite))
-            tokens.append(mx.pad(block.astype(mx.uint32), [(0, width - d)]))
-        accepted, tokens = mx.stack(accepted), mx.stack(tokens)
-        mx.eval(accepted, tokens, [w.outcomes[-1] for w in walks.values()])
-        outcomes, table = accepted.tolist(), tokens.tolist()
+            tokens.append(_pad(block.astype(mx.uint32), width - d))
+        launched.accepted, launched.tokens = _rows(accepted), _rows(tokens)
+        mx.async_eval(launched.accepted, launched.tokens)
+
+    def read(self, launched: Launched, ends=None, walked: dict[int, tuple[list[int], int]] | None = None
+             ) -> Verified:
+        """Read a launched cycle on the host (one sync, and one per position for rows with processors): its
+        ``Verified`` outcome, caches not yet committed (``commit``). A row's processors have seen its block's last
+        token iff ``len(block) <= accepted``; else ``final_call`` makes that call.
+
+        Args:
+            ends: ``ends(i, token) -> bool``, called once per token of row i's block in order: True cuts the block there
+                (the row finishes on it). None: no row finishes inside a block.
+            walked: per row with processors, ``(block, outcome)`` its walk gave the caller (None: walks read here).
+        """
+        walks, width = launched.walks, max(launched.depths)
+        mx.eval(launched.accepted, launched.tokens, [w.outcomes[-1] for w in walks.values() if w.outcomes])
+        outcomes, table = launched.accepted.tolist(), launched.tokens.tolist()
         counts = [max(a, 0) for a in outcomes]
         blocks = [table[i][: a + 1] for i, a in enumerate(counts)]
         for i, block in enumerate(blocks):
             if i not in walks and ends is not None:
                 blocks[i] = _cut(block, functools.partial(ends, i))
-        for i, (block, outcome) in _read(walks, ends).items():
+        logprobs = list(launched.logprobs)
+        for i, (block, outcome) in (_read(walks, ends) if walked is None else walked).items():
             blocks[i], counts[i], outcomes[i] = block, max(outcome, 0), outcome
             lp = mx.stack(walks[i].logprobs)
-            logprobs[i] = mx.pad(lp, [(0, width + 1 - lp.shape[0]), (0, 0)])
-        logprobs = mx.stack(logprobs)
-        return Verified(depths, matches, head_width, counts, blocks, logprobs, hidden, inputs, recorder,
-                        NONFINITE in outcomes, forced, masked)
+            logprobs[i] = _pad(lp, width + 1 - lp.shape[0])
+        return Verified(launched.depths, launched.matches, launched.head_width, counts, blocks, _rows(logprobs),
+                        launched.hidden, launched.inputs, launched.recorder, NONFINITE in outcomes, launched.forced,
+                        launched.masked)
 
     @staticmethod
     def _steer(rows: list[Row], steering: set[int], x: mx.array, qs: list, top: mx.array, allowed: dict,
@@ -348,16 +406,15 @@ class BatchDrafter:
         hidden = self.trunk.hidden(fed[None], cache)
         mx.async_eval(processed_logprobs(self.trunk.trunk_logits(hidden)[0, -1:], fed, row.history, row.processors))
 
-    def commit(self, rows: list[Row], cache: list, head_cache, verified: Verified, keep: list[int]) -> None:
-        """Keep each row's first ``keep[b]`` (1..accepted+1) verified inputs: caches rolled back, pairs kept."""
-        if verified.recorder is not None:
-            verified.recorder.commit_rows(cache, keep)
-        if verified.head_width > 1:
-            head_cache.trim(verified.head_width - 1)
+    def commit(self, rows: list[Row], heads: Heads, verified: Verified, keep: list[int]) -> None:
+        """Keep each row's first ``keep[b]`` (1..accepted+1) verified inputs: the head's draft steps undone, its pairs
+        kept; each row's ``last``, position, processors' history and grammar moved on. The trunk's caches are the
+        caller's to roll back (``verified.recorder``)."""
+        heads.rewind(verified.head_width)
         for i, row in enumerate(rows):
             k = keep[i]
             block = mx.array(verified.blocks[i][:k], dtype=mx.uint32)
-            row.keep(verified.hidden[i : i + 1, :k], block)
+            heads.keep(row, verified.hidden[i : i + 1, :k], block)
             if row.processors:
                 row.history = mx.concatenate([row.history, verified.inputs[i, :k]])
             row.last = verified.blocks[i][k - 1]
@@ -366,6 +423,25 @@ class BatchDrafter:
                 row.grammar.keep(k - 1)
                 row.grammar.advance([row.last])
                 row.grammar.commit()
+
+
+def _lasts(rows: list[Row]) -> mx.array:
+    """Every row's ``last`` (B, 1) uint32; a row's may be an array (1,) not read yet (one stream's, after a plain
+    step: its cycle is queued before that token is read)."""
+    if all(isinstance(row.last, int) for row in rows):
+        return mx.array([row.last for row in rows], dtype=mx.uint32)[:, None]
+    return mx.stack([row.last.astype(mx.uint32) if isinstance(row.last, mx.array)
+                     else mx.array([row.last], dtype=mx.uint32) for row in rows])
+
+
+def _pad(x: mx.array, n: int) -> mx.array:
+    """``x`` (S, …) with ``n`` zero rows appended (``x`` itself when n is 0)."""
+    return x if n == 0 else mx.pad(x, [(0, n)] + [(0, 0)] * (x.ndim - 1))
+
+
+def _rows(arrays: list[mx.array]) -> mx.array:
+    """``arrays`` stacked as rows (B, …); one without a copy."""
+    return arrays[0][None] if len(arrays) == 1 else mx.stack(arrays)
 
 
 def _stack(masks: list[mx.array | None]) -> mx.array:

@@ -14,7 +14,7 @@ import mlx.core as mx
 from .batch import Row, Step
 from .batching import BatchingState
 from .controller import PLAIN
-from .drafter import PendingPairs
+from .drafter import BatchHeads, PendingPairs
 from .grammar import grammar_of
 from .lockstep import NONE
 from .lookup import lookup_policy
@@ -53,7 +53,7 @@ def new_row(state: BatchingState, uid: int, last: int, carry, options: MTPOption
             tokens: list[int], max_tokens: int, extra=None) -> Row:
     """The decoding state of a request joining the batch: ``last`` (not yet fed) after ``tokens`` (in its trunk
     cache), ``carry`` its head's last unpaired hidden state (None: none); ``options`` resolved for the request;
-    ``sampling`` the sampler's ``single.Sampling`` (None: greedy; False: no known distribution, plain steps only);
+    ``sampling`` the sampler's ``sampling.Sampling`` (None: greedy; False: no known distribution, plain steps only);
     ``extra``: the runtime adapter's own per-row state."""
     headless = state.drafter.head is None
     depth, lookup = options.depth, None
@@ -212,13 +212,17 @@ class BatchLoop:
 
         lookups = [(list(d.lookup), d.match) if d.lookup else None for d in decisions]
         self.runtime.prepare(rows)
-        verified = state.drafter.cycle(rows, self.cache, self.head_cache, [d.depth for d in decisions], ends, lookups)
+        heads = BatchHeads(state.drafter.head, state.drafter.trunk, self.head_cache)
+        launched = state.drafter.launch(rows, self.cache, heads, [d.depth for d in decisions], lookups)
+        verified = state.drafter.read(launched, ends)
         if verified.nonfinite:
             state.health.nonfinite()
         emitted = [len(block) for block in verified.blocks]
         for i, row in enumerate(rows):
             row.tokens += [row.last, *verified.blocks[i][: emitted[i] - 1]]
-        state.drafter.commit(rows, self.cache, self.head_cache, verified, emitted)
+        if verified.recorder is not None:
+            verified.recorder.commit_rows(self.cache, emitted)
+        state.drafter.commit(rows, heads, verified, emitted)
         self._final_calls(finished, [n > a for n, a in zip(emitted, verified.accepted, strict=True)])
         seconds, decided = time.perf_counter() - start, []
         for i, row in enumerate(rows):

@@ -3,13 +3,12 @@ i+1) of every committed position, and the drafts it proposes. Design: docs/decod
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..head import norm_settling
-from .grammar import constrain
 
 HISTORY_WINDOW = 32  # most pairs kept unfed for the head; older ones are dropped (``PendingPairs``)
 HEAD_CONTEXT = 1024  # most prompt pairs fed to the head: a long prompt's earlier ones are skipped (docs/decoding.md)
@@ -94,48 +93,46 @@ def propose(logits: mx.array, sampling=None, vocab=None, position: int = 0) -> t
     return (index, q) if vocab is None else (vocab.tokens(index), vocab.spread(q))
 
 
-@dataclass
-class GrammarDraft:
-    """``Drafter.draft_under``'s drafts: tokens (1,) each, q (1, V) each when sampling exactly (None when forced or not
-    sampling exactly), ``allowed``
-    the grammar's mask before each draft and after the last (n+1 of them), the drafts it ``forced``, the head drafts it
-    ``masked`` (the head's top token forbidden), and ``finite``: every head output finite."""
+class Heads(Protocol):
+    """The head's side of a cycle over rows (``batch.BatchDrafter.launch``): ``BatchHeads``, a batch's head KV cache;
+    ``Drafter``, one stream's."""
 
-    allowed: list
-    drafts: list = field(default_factory=list)
-    qs: list = field(default_factory=list)
-    forced: int = 0
-    masked: int = 0
-    finite: mx.array | None = None
+    def open(self, rows: list) -> mx.array | None:
+        """Feed every row's kept pairs (``Row.pending``); the head's last output per row (B, 1, H), or None when no
+        row kept one."""
 
-    def q(self, width: int) -> mx.array:
-        """q (n, ``width``) of the drafts, a forced draft's a point mass at it (exact sampling only)."""
-        return mx.concatenate([q if q is not None else (mx.arange(width) == x)[None].astype(mx.float32)
-                               for x, q in zip(self.drafts, self.qs, strict=True)])
+    def advance(self, g: mx.array, x: mx.array) -> mx.array:
+        """One draft step: the head on its outputs g (B, 1, H) and the drafts x (B,) they proposed; (B, 1, H)."""
+
+    def rewind(self, steps: int) -> None:
+        """Undo a cycle's ``steps`` draft steps (the cache rows of all but the last, whose output was not fed)."""
+
+    def keep(self, row, hidden: mx.array, tokens: mx.array) -> None:
+        """Committed pairs (hidden (1, n, H), tokens (n,)) of ``row`` for its next ``open``."""
+
+    def room(self, row, drafts: int) -> None:
+        """A cycle verifying ``drafts`` tokens without the head is coming for ``row``."""
 
 
 class Drafter:
-    """Drafting with an MTP head ``head(hidden (1, S, H), embeddings (1, S, H), cache) -> (1, S, H)``, or None
-    (``stopped`` from the start: context drafts only); ``cache``: its empty trimmable KV cache."""
+    """One stream's MTP head ``head(hidden (1, S, H), embeddings (1, S, H), cache) -> (1, S, H)``, or None
+    (``stopped`` from the start: context drafts only); ``cache``: its empty trimmable KV cache. It feeds the prompt's
+    pairs (``prefill``) and is the ``Heads`` of a one-row cycle."""
 
-    def __init__(self, head: nn.Module | None, trunk, cache, sampling=None, vocab=None,
-                 context: int | None = HEAD_CONTEXT):
-        self.head, self.trunk, self.cache, self.sampling, self.vocab = head, trunk, cache, sampling, vocab
+    def __init__(self, head: nn.Module | None, trunk, cache, context: int | None = HEAD_CONTEXT):
+        self.head, self.trunk, self.cache = head, trunk, cache
         self.context = context  # most prompt pairs fed to the head (None: all)
         self.pending = PendingPairs()
         self.stopped = head is None  # no head: lookup drafts and plain steps only
         self.committed = 0  # pairs committed so far: the next one's hidden is that of token ``committed``
         self.first = 0  # the head's first pair (its cache holds pairs ``first`` … in order, none missing)
+        self.steps = 0  # draft steps fed since the last ``open``
 
     def feed(self, hidden: mx.array, tokens: mx.array, start: int) -> mx.array:
         """Run the head on pairs (hidden (1, S, H), tokens (S,)) whose first hidden is that of token ``start``
         (counted from the prompt's first), appending them to its cache; (1, S, H)."""
         embeddings, positions = self.trunk.head_inputs(tokens, start)
         return self.head(hidden, embeddings, cache=self.cache, positions=positions)
-
-    def choose(self, g: mx.array, position: int) -> tuple[mx.array, mx.array | None]:
-        """Draft token (1,) from head output g (1, 1, H) for generated token ``position``, and q (``propose``)."""
-        return propose(draft_logits(g[0], self.trunk, self.vocab), self.sampling, self.vocab, position)
 
     def bound(self, pairs: int, context: int | None = None) -> None:
         """``pairs`` more prompt pairs are coming, after which the trunk's cache holds ``context`` positions (None:
@@ -176,75 +173,96 @@ class Drafter:
         self.committed += size
         return hidden[:, -1:]
 
-    def keep(self, hidden: mx.array, tokens: mx.array) -> None:
-        """Committed pairs (hidden (1, n, H), tokens (n,)) for the next draft to feed (none once stopped)."""
+    def keep(self, row, hidden: mx.array, tokens: mx.array) -> None:
+        """Committed pairs (hidden (1, n, H), tokens (n,)) for the next draft to feed (none once stopped); ``row``:
+        the stream's (``Heads``), whose ``pending`` are this drafter's."""
         self.committed += tokens.size
         if not self.stopped:
             self.pending.add(hidden, tokens)
 
     def stop(self) -> None:
         """Draft no more in this generation: kept pairs are dropped and no more are kept."""
-        self.stopped, self.pending = True, PendingPairs()
+        self.stopped = True
+        self.pending.take()
 
-    def catch_up(self, room: int) -> None:
-        """Feed the kept pairs now (queued) if ``room`` more from a cycle without the head could overflow them."""
-        if self.stopped or len(self.pending) + room <= self.pending.window:
+    def room(self, row, drafts: int) -> None:
+        """Feed the kept pairs now (queued) if ``drafts`` more from a cycle without the head could overflow them."""
+        if self.stopped or len(self.pending) + drafts <= self.pending.window:
             return
         hidden, tokens = self.pending.take()
         mx.async_eval(self.feed(hidden, tokens, self.committed - tokens.size))
 
-    def draft(self, depth: int, position: int = 0) -> tuple[mx.array, mx.array | None, mx.array]:
-        """Queue ``depth`` draft steps after feeding every kept pair, the first for generated token ``position``:
-        drafts (depth,), q (depth, V) when sampling (else None), and scalar ``finite``: every head output finite."""
-        hidden, tokens = self.pending.take()
-        g = self.feed(hidden, tokens, self.committed - tokens.size)[:, -1:]
-        drafts, qs, outputs = [], [], []
-        for k in range(depth):
-            x, q = self.choose(g, position + k)
-            drafts.append(x)
-            qs.append(q)
-            outputs.append(g)
-            if k < depth - 1:
-                g = self.feed(g, x, self.committed + k)
-        finite = mx.isfinite(mx.concatenate(outputs, axis=1) if depth > 1 else g).all()
-        if depth == 1:
-            return drafts[0], qs[0], finite
-        return mx.concatenate(drafts), None if qs[0] is None else mx.concatenate(qs), finite
+    def open(self, rows: list) -> mx.array | None:
+        """Feed every kept pair; the head's output at the last (1, 1, H), or None when none is kept."""
+        pairs = self.pending.take()
+        if pairs is None:
+            return None
+        hidden, tokens = pairs
+        self.steps = 0
+        return self.feed(hidden, tokens, self.committed - tokens.size)[:, -1:]
 
-    def draft_under(self, grammar, depth: int, position: int = 0) -> GrammarDraft:
-        """``draft`` under ``grammar`` (``grammar.Grammar``), which consumes the drafts: each step's draft is the token
-        the grammar forces (the head's choice skipped) or the head's best allowed token, read on the host; drafting
-        stops once the grammar is complete. The draft vocabulary is not used."""
-        hidden, tokens = self.pending.take()
-        g = self.feed(hidden, tokens, self.committed - tokens.size)[:, -1:]
-        out = GrammarDraft([grammar.allowed()])
-        outputs = []
-        for k in range(depth):
-            if grammar.stopped:
-                break
-            token, allowed = grammar.forced(), out.allowed[-1]
-            if token is None:
-                logits = draft_logits(g[0], self.trunk)
-                x, q = propose(constrain(logits, allowed), self.sampling, None, position + k)
-                top = mx.argmax(logits, axis=-1)
-                mx.eval(x, top)
-                token, top = x.item(), top.item()
-                out.masked += top >= allowed.shape[0] or not allowed[top].item()
-            else:
-                x, q = mx.array([token], dtype=mx.uint32), None  # q: a point mass (``GrammarDraft.q``)
-                out.forced += 1
-            grammar.advance([token])
-            out.allowed.append(grammar.allowed())
-            out.drafts.append(x.astype(mx.uint32))
-            out.qs.append(q)
-            outputs.append(g)
-            if k < depth - 1:
-                g = self.feed(g, x, self.committed + k)
-        out.finite = mx.isfinite(mx.concatenate(outputs, axis=1)).all() if outputs else mx.array(True)
-        return out
+    def advance(self, g: mx.array, x: mx.array) -> mx.array:
+        """One draft step on the head's output g (1, 1, H) and its draft x (1,); (1, 1, H)."""
+        g = self.feed(g, x, self.committed + self.steps)
+        self.steps += 1
+        return g
 
-    def accept(self, depth: int, hidden: mx.array, tokens: mx.array) -> None:
-        """After a verify pass at ``depth``: drop the draft steps' cache rows, keep the accepted pairs."""
-        if depth > 1:
-            self.cache.trim(depth - 1)
-        self.keep(hidden, tokens)
+    def rewind(self, steps: int) -> None:
+        """Drop the cache rows of a cycle's draft steps."""
+        if steps > 1:
+            self.cache.trim(steps - 1)
+
+
+class BatchHeads:
+    """A batch's ``Heads``: ``head`` over ``cache``, a batched KV cache with a row per batch row; positions from the
+    trunk's ``batch_head_positions(cache, length)`` (e.g. multimodal ones (3, B, length)) where it has one, else the
+    head's layer derives them from its cache offset. Pairs are kept on each ``Row``; beyond its window the oldest drop
+    (``Row.head_whole``)."""
+
+    def __init__(self, head: nn.Module, trunk, cache):
+        self.head, self.trunk, self.cache = head, trunk, cache
+
+    def open(self, rows: list) -> mx.array | None:
+        """Feed every row's pending pairs in one right-padded pass; the last output per row (B, 1, H), or None."""
+        counts = [len(r.pending) for r in rows]
+        width = max(counts)
+        if width == 0:
+            return None
+        pairs = [row.pending.take() for row in rows]
+        like = next(p[0] for p in pairs if p is not None)  # (1, n, H): shape and dtype of a pair
+        hidden, tokens = [], []
+        for p, n in zip(pairs, counts, strict=True):
+            h, t = p if p is not None else (mx.zeros((1, 0, like.shape[2]), like.dtype), mx.zeros((0,), mx.uint32))
+            hidden.append(mx.pad(h, [(0, 0), (0, width - n), (0, 0)]))
+            tokens.append(mx.pad(t.astype(mx.uint32), [(0, width - n)]))
+        hidden, tokens = mx.concatenate(hidden), mx.stack(tokens)
+        padding = [width - n for n in counts]
+        if max(padding):
+            self.cache.prepare(right_padding=padding)
+        out = self._run(hidden, tokens)
+        self.cache.finalize()
+        last = mx.array([max(n - 1, 0) for n in counts])[:, None, None]
+        return mx.take_along_axis(out, last, axis=1)
+
+    def advance(self, g: mx.array, x: mx.array) -> mx.array:
+        """One draft step of every row: (B, 1, H)."""
+        return self._run(g, x[:, None])
+
+    def _run(self, hidden: mx.array, tokens: mx.array) -> mx.array:
+        """The head on pairs hidden (B, S, H), tokens (B, S), appended to its cache."""
+        positions = getattr(self.trunk, "batch_head_positions", None)
+        length = tokens.shape[1]
+        return self.head(hidden, self.trunk.embed(tokens), cache=self.cache, mask=self.cache.make_mask(length),
+                         positions=None if positions is None else positions(self.cache, length))
+
+    def rewind(self, steps: int) -> None:
+        """Drop the cache rows of a cycle's draft steps."""
+        if steps > 1:
+            self.cache.trim(steps - 1)
+
+    def keep(self, row, hidden: mx.array, tokens: mx.array) -> None:
+        """Committed pairs of ``row`` (``Row.keep``)."""
+        row.keep(hidden, tokens)
+
+    def room(self, row, drafts: int) -> None:
+        """Nothing: a row keeps its latest pairs only."""

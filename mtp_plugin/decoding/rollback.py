@@ -46,6 +46,11 @@ class RollbackError(RuntimeError):
     """A cache that can neither be trimmed nor was captured; rolling back would give wrong output."""
 
 
+class CaptureMissed(RollbackError):
+    """A verify pass missed a cache's capture points (``Recorder.missed``: removed before or during it, e.g. by
+    ``mtp_plugin.unpatch()`` on another thread); the caches were restored to their state before it."""
+
+
 @dataclass
 class LayerRecord:
     """One captured linear-attention cache: conv window width ``window`` (K-1), its K-1+S conv input ``rows``, and

@@ -1,14 +1,45 @@
-"""Sampled tokens that do not depend on the drafts: token j is ``argmax(filters(logprobs) / temp + G_j)``, Gumbel
-noise G_j (V,) from key j of MLX's key sequence as it stood when the generation started (the key mlx-lm's j-th draw
-takes); a draft for token j shares G_j (a Gumbel-max coupling). Design: docs/decoding.md#sampling."""
+"""Sampling as the runtime's sampler does it (``Sampling``), and sampled tokens that do not depend on the drafts:
+token j is ``argmax(filters(logprobs) / temp + G_j)``, Gumbel noise G_j (V,) from key j of MLX's key sequence as it
+stood when the generation started (the key mlx-lm's j-th draw takes); a draft for token j shares G_j (a Gumbel-max
+coupling). Design: docs/decoding.md#sampling."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """Temperature sampling exactly as the runtime's sampler does it.
+
+    ``filters``: log-probs (…, V) → filtered log-probs (-inf where excluded), in the runtime sampler's order. ``keyed``:
+    ``keyed(logprobs (k, V), first) -> tokens (k,)``, draws keyed by generated-token position (0: the first after the
+    prompt): every emitted token is drawn with it and a draft accepted iff equal; None: exact speculative sampling.
+    ``coupled``: the drafts draw with ``keyed`` too (``sampling.GumbelDraws``); False: the head's argmax.
+    """
+
+    temp: float
+    filters: tuple[Callable[[mx.array], mx.array], ...] = ()
+    keyed: Callable[[mx.array, int], mx.array] | None = None
+    coupled: bool = False
+
+    def with_coupling(self) -> Sampling:
+        """This distribution by ``sampling.GumbelDraws`` shared with the drafts (tokens: seed and trunk only)."""
+        return dataclasses.replace(self, keyed=GumbelDraws(self.temp, self.filters), coupled=True)
+
+    def probs(self, logprobs: mx.array) -> mx.array:
+        """Sampling distribution (…, V), float32: softmax(filters(logprobs) / temp)."""
+        for f in self.filters:
+            logprobs = f(logprobs)
+        return mx.softmax(logprobs.astype(mx.float32) / self.temp, axis=-1)
+
+
 class GumbelDraws:
-    """One generation's position-keyed draws (``single.Sampling.keyed``); ``filters``: log-probs (…, V) →
+    """One generation's position-keyed draws (``Sampling.keyed``); ``filters``: log-probs (…, V) →
     filtered log-probs (-inf where excluded), in the sampler's order."""
 
     def __init__(self, temp: float, filters: tuple = ()):

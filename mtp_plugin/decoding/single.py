@@ -1,15 +1,15 @@
-"""The MTP decoding loop of one generation: draft, verify in one trunk pass, accept, roll back the rest. Greedy
-output is the trunk's own; sampled output has its distribution (position-keyed draws, or exact speculative sampling:
-Leviathan et al. 2023, Algorithm 1). Design: docs/decoding.md."""
+"""The MTP decoding loop of one generation (mlx-lm's ``generate_step`` contract): the prompt pass, then cycles run as a
+one-row batch's (``batch.BatchDrafter``: draft, verify in one trunk pass, accept, roll back the rest) or plain steps
+pipelined as mlx-lm's; tokens are yielded one at a time and the caches left as plain decoding leaves them wherever the
+consumer stops. Greedy output is the trunk's own; sampled output has its distribution (position-keyed draws, or exact
+speculative sampling: Leviathan et al. 2023, Algorithm 1). Design: docs/decoding.md."""
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
@@ -17,13 +17,14 @@ import mlx.nn as nn
 
 from ..head.health import HeadHealth
 from . import rollback
+from .acceptance import NONFINITE, categorical, processed_logprobs
+from .batch import BatchDrafter, Launched, Row, Verified
 from .controller import PLAIN, FixedDepth
-from .drafter import Drafter, GrammarDraft
-from .drafter import log_softmax as _log_softmax
-from .grammar import Grammar, constrain, grammar_of
+from .drafter import Drafter
+from .grammar import constrain, grammar_of
 from .lockstep import NONE, Lockstep, LockstepError
 from .lookup import LookupPolicy, new_prior
-from .sampling import GumbelDraws
+from .sampling import Sampling
 from .scheduler import Decision, RowState, Scheduler
 from .stats import MTPStats
 
@@ -50,159 +51,6 @@ class Trunk(Protocol):
 
     def trunk_logits(self, hidden: mx.array) -> mx.array:
         """The trunk's own logits (…, V) from ``hidden``'s output (…, H) (``pre_norm``: final norm first)."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Temperature sampling exactly as the runtime's sampler does it.
-
-    ``filters``: log-probs (…, V) → filtered log-probs (-inf where excluded), in the runtime sampler's order. ``keyed``:
-    ``keyed(logprobs (k, V), first) -> tokens (k,)``, draws keyed by generated-token position (0: the first after the
-    prompt): every emitted token is drawn with it and a draft accepted iff equal; None: exact speculative sampling.
-    ``coupled``: the drafts draw with ``keyed`` too (``sampling.GumbelDraws``); False: the head's argmax.
-    """
-
-    temp: float
-    filters: tuple[Callable[[mx.array], mx.array], ...] = ()
-    keyed: Callable[[mx.array, int], mx.array] | None = None
-    coupled: bool = False
-
-    def with_coupling(self) -> Sampling:
-        """This distribution by ``sampling.GumbelDraws`` shared with the drafts (tokens: seed and trunk only)."""
-        return dataclasses.replace(self, keyed=GumbelDraws(self.temp, self.filters), coupled=True)
-
-    def probs(self, logprobs: mx.array) -> mx.array:
-        """Sampling distribution (…, V), float32: softmax(filters(logprobs) / temp)."""
-        for f in self.filters:
-            logprobs = f(logprobs)
-        return mx.softmax(logprobs.astype(mx.float32) / self.temp, axis=-1)
-
-
-def _categorical(probs: mx.array) -> mx.array:
-    return mx.random.categorical(mx.log(probs))
-
-
-def accept_greedy(logprobs: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
-    """Greedy acceptance of drafts (D,) against trunk log-probs (D+1, V): ``(accepted, block)``, the scalar count a
-    of leading drafts equal to the argmax and the (D+1,) argmax tokens, whose first a+1 are emitted."""
-    return accept_matching(mx.argmax(logprobs, axis=-1), drafts)
-
-
-def accept_matching(targets: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
-    """Acceptance of drafts (D,) against tokens (D+1,) already chosen at the verified positions (argmax, or
-    ``Sampling.keyed`` draws: exact, since they do not depend on the drafts); returns as ``accept_greedy``."""
-    accepted = mx.cumprod(targets[:-1] == drafts).sum()
-    return accepted, targets
-
-
-def accept_sampled(p: mx.array, q: mx.array, drafts: mx.array,
-                   finite: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """Exact speculative sampling (Leviathan et al. 2023, Algorithm 1) of drafts (D,) drawn from q (D, V)
-    against p (D+1, V); ``finite`` False (head output not finite) rejects every draft, q taken as 0. Returns
-    ``(accepted, block)``: the count a and (D+1,) tokens whose first a+1 are emitted: the drafts, then a sample of
-    the residual norm(max(p − q, 0)) at the first rejection, or a bonus sample from p[D]."""
-    ok, q = _draft_test(p[:-1], q, drafts, finite)
-    accepted = mx.cumprod(ok).sum()
-    fallback = _categorical(mx.concatenate([_residual(p[:-1], q), p[-1:]], axis=0))
-    index = mx.arange(drafts.shape[0] + 1)
-    block = mx.where(index < accepted, mx.concatenate([drafts, drafts[:1]]), fallback)
-    return accepted, block
-
-
-def accept_sampled_position(p: mx.array, q: mx.array, draft: mx.array,
-                            finite: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """One position of ``accept_sampled`` (p, q (1, V), draft (1,)) for a pass read position by position
-    (``Walk``): ``(ok, token)``, a scalar bool and (1,) the draft or a sample of the residual."""
-    ok, q = _draft_test(p, q, draft, finite)
-    return ok[0], mx.where(ok, draft, _categorical(_residual(p, q)))
-
-
-def _draft_test(p: mx.array, q: mx.array, drafts: mx.array, finite: mx.array | None) -> tuple[mx.array, mx.array]:
-    """Per draft (D,): u·q(d) < p(d), u uniform (False where not finite); and q with non-finite rows zeroed."""
-    rows = mx.arange(drafts.shape[0])
-    if finite is not None:
-        q = mx.where(finite, q, 0.0)
-    ok = mx.random.uniform(shape=drafts.shape) * q[rows, drafts] < p[rows, drafts]
-    return (ok if finite is None else ok & finite), q
-
-
-def _residual(p: mx.array, q: mx.array) -> mx.array:
-    """The residual distribution norm(max(p − q, 0)) (…, V)."""
-    residual = mx.maximum(p - q, 0.0)
-    return residual / mx.maximum(residual.sum(axis=-1, keepdims=True), 1e-30)
-
-
-NONFINITE = -1  # the accepted count read back for a cycle whose head output was not finite
-
-
-def reject_nonfinite(accepted: mx.array, finite: mx.array) -> mx.array:
-    """The cycle's outcome as one scalar for the host sync: ``accepted``, or ``NONFINITE`` where ``finite`` (from
-    ``Drafter.draft``) is False; ``accepted`` must be 0 then (the accept test was given ``finite``)."""
-    return mx.where(finite, accepted, NONFINITE)
-
-
-def processed_logprobs(logits: mx.array, inputs: mx.array, past: mx.array | None, processors) -> mx.array:
-    """Log-probs (S, V) of ``logits`` (S, V) after mlx-lm style ``processors`` (``processor(tokens, logits)``),
-    position i seeing the tokens ``past`` (None: none) + ``inputs[:i+1]``, as mlx-lm applies them per step."""
-    if processors:
-        rows = []
-        for i in range(inputs.size):
-            seen = mx.concatenate([past, inputs[: i + 1]]) if past is not None else inputs[: i + 1]
-            row = logits[i : i + 1]
-            for processor in processors:
-                row = processor(seen, row)
-            rows.append(row)
-        logits = mx.concatenate(rows, axis=0)
-    return _log_softmax(logits)
-
-
-class Walk:
-    """A verify pass read one position at a time, so logits processors see exactly the calls plain decoding makes:
-    position j (seeing ``history + inputs[:j+1]``) is processed only after ``read`` showed draft j accepted, one host
-    read per position. ``inputs`` (S,): the newest token, then S - 1 drafts; ``q`` (S - 1, V): the head's distributions
-    (exact sampling), else None; ``first``: position 0's index among the generated tokens (``Sampling.keyed``).
-    """
-
-    def __init__(self, logits: mx.array, inputs: mx.array, history: mx.array, processors, sampling: Sampling | None,
-                 q: mx.array | None, finite: mx.array, first: int = 0):
-        self.logits, self.inputs, self.history, self.processors = logits, inputs, history, processors
-        self.sampling, self.q, self.finite, self.first = sampling, q, finite, first
-        self.logprobs: list[mx.array] = []  # (V,) after the processors, per processed position
-        self.tokens: list[mx.array] = []  # (1,) the token drawn at each processed position
-        self.outcomes: list[mx.array] = []  # (3,) int32 per processed position: its token, its draft accepted, finite
-        self.finite_read = True  # the head's output was finite, as the latest ``read`` showed
-
-    def process(self) -> mx.array:
-        """Call the processors at the next position and queue its token and acceptance; the outcome (3,) int32."""
-        j = len(self.logprobs)
-        seen = mx.concatenate([self.history, self.inputs[: j + 1]])
-        row = self.logits[j : j + 1]
-        for processor in self.processors:
-            row = processor(seen, row)
-        logprobs = _log_softmax(row)
-        draft = self.inputs[j + 1 : j + 2]
-        sampling = self.sampling
-        if sampling is not None and sampling.keyed is None:
-            p = sampling.probs(logprobs)
-            if draft.size:
-                ok, token = accept_sampled_position(p, self.q[j : j + 1], draft, self.finite)
-            else:
-                ok, token = mx.array(False), _categorical(p)  # the bonus token
-        else:
-            token = mx.argmax(logprobs, axis=-1) if sampling is None else sampling.keyed(logprobs, self.first + j)
-            ok = (token[0] == draft[0]) & self.finite if draft.size else mx.array(False)
-        outcome = mx.stack([token[0].astype(mx.int32), ok.astype(mx.int32), self.finite.astype(mx.int32)])
-        self.logprobs.append(logprobs[0])
-        self.tokens.append(token.astype(mx.uint32))
-        self.outcomes.append(outcome)
-        mx.async_eval(outcome, logprobs)
-        return outcome
-
-    def read(self) -> tuple[int, bool]:
-        """``(token, accepted)`` of the latest processed position (one host read; sets ``finite_read``)."""
-        token, ok, finite = self.outcomes[-1].tolist()
-        self.finite_read = bool(finite)
-        return token, bool(ok)
 
 
 class DepthPolicy(Protocol):
@@ -244,43 +92,24 @@ class _Stopwatch:
         return busy
 
 
-@dataclass
-class _Cycle:
-    """One queued cycle; with processors (``walk``) ``accepted`` is None and ``tokens`` set once the walk read them."""
-
-    depth: int
-    inputs: mx.array  # (d+1,): the newest token, then the drafts
-    hidden: mx.array  # (1, d+1, H) trunk hidden states of ``inputs``
-    logprobs: mx.array | list  # (d+1, V)
-    accepted: mx.array | None  # scalar
-    tokens: mx.array | None  # (d+1,): the first accepted+1 are emitted
-    recorder: rollback.Recorder
-    walk: Walk | None = None
-    match: int = 0  # a lookup draft's match length (``lookup.ContextIndex``); 0: the head drafted
-    forced: int = 0  # drafts a grammar forced
-    masked: int = 0  # head drafts a grammar changed
-
-
 class _Loop:
-    """One generation's state: ``last`` (1,), fed first by the next pass; ``history``, what the processors saw;
-    ``grammar``, which has consumed every committed token (and, during a cycle, its drafts)."""
+    """One generation's state: ``last`` (1,), fed first by the next pass; ``row``, the stream as a cycle's row
+    (``batch.Row``): its sampling, processors and their ``history``, ``grammar`` (which has consumed every committed
+    token and, during a cycle, its drafts), ``position``; its pending pairs are the drafter's. Cycles run through
+    ``cycles`` (``batch.BatchDrafter``) with the drafter as the row's head."""
 
-    def __init__(self, trunk, cache, drafter, sampling, processors, history, cache_step=None,
-                 grammar: Grammar | None = None):
-        self.trunk, self.cache, self.drafter = trunk, cache, drafter
-        self.sampling, self.processors = sampling, processors
-        self.last, self.history = None, history
+    def __init__(self, trunk, cache, drafter: Drafter, cycles: BatchDrafter, row: Row, cache_step=None):
+        self.trunk, self.cache, self.drafter, self.cycles, self.row = trunk, cache, drafter, cycles, row
+        self.last = None
         self.cache_step = cache_step
-        self.grammar = grammar
         self.uncaptured = False  # the capture points were found gone: plain steps only
-        self.position = 0  # generated tokens drawn for good so far: the next one's position (``Sampling.keyed``)
 
     def set_last(self, token: mx.array) -> None:
         """``token`` (1,) becomes ``last``; the grammar consumes it (a host read) and commits."""
         self.last = token
-        if self.grammar is not None:
-            self.grammar.advance(token.tolist())
-            self.grammar.commit()
+        if self.row.grammar is not None:
+            self.row.grammar.advance(token.tolist())
+            self.row.grammar.commit()
 
     def after_pass(self) -> int | None:
         """Run the runtime's cache step on the committed cache; the most tokens the next pass may feed."""
@@ -289,25 +118,27 @@ class _Loop:
     def logprobs_at(self, logits: mx.array, inputs: mx.array, past: mx.array | None) -> mx.array:
         """Log-probs (S, V) after the processors, position i seeing ``past`` + ``inputs[:i+1]``; under a grammar
         (no processors then) one position, masked by the grammar's current state."""
-        if self.grammar is not None:
-            logits = constrain(logits, self.grammar.allowed())
-        return processed_logprobs(logits, inputs, past, self.processors)
+        if self.row.grammar is not None:
+            logits = constrain(logits, self.row.grammar.allowed())
+        return processed_logprobs(logits, inputs, past, self.row.processors)
 
     def pick(self, logprobs: mx.array) -> mx.array:
         """The next token (1,) from log-probs (1, V): argmax, the keyed draw, or a sample."""
-        if self.sampling is None:
+        sampling = self.row.sampling
+        if sampling is None:
             return mx.argmax(logprobs, axis=-1)
-        self.position += 1
-        if self.sampling.keyed is not None:
-            return self.sampling.keyed(logprobs, self.position - 1)
-        return _categorical(self.sampling.probs(logprobs))
+        self.row.position += 1
+        if sampling.keyed is not None:
+            return sampling.keyed(logprobs, self.row.position - 1)
+        return categorical(sampling.probs(logprobs))
 
     def plain_step(self) -> tuple[mx.array, mx.array, mx.array]:
         """Queue one plain step on ``last``: its hidden state (1, 1, H), log-probs (1, V), next token (1,)."""
+        row = self.row
         hidden = self.trunk.hidden(self.last[None], self.cache)
-        logprobs = self.logprobs_at(self.trunk.trunk_logits(hidden[0]), self.last, self.history)
-        if self.processors:
-            self.history = mx.concatenate([self.history, self.last])
+        logprobs = self.logprobs_at(self.trunk.trunk_logits(hidden[0]), self.last, row.history)
+        if row.processors:
+            row.history = mx.concatenate([row.history, self.last])
         following = self.pick(logprobs)
         mx.async_eval(following, logprobs)
         return hidden, logprobs, following
@@ -315,92 +146,36 @@ class _Loop:
     def take_plain(self, step) -> None:
         """A plain step's token becomes ``last``; its pair is kept for the head."""
         hidden, _, following = step
-        self.drafter.keep(hidden, following)
+        self.drafter.keep(self.row, hidden, following)
         self.set_last(following)
 
-    def launch(self, depth: int) -> _Cycle | None:
-        """Queue a cycle at ``depth``: draft, verify ``[last, drafts…]``, accept. None, caches untouched, when the
-        capture points were removed during the pass (``unpatch()`` on another thread): plain steps from then on."""
-        if self.grammar is not None:  # drafted under the grammar, a host read per step; None: it allows no draft
-            drafted = self.drafter.draft_under(self.grammar, depth, self.position)
-            if not drafted.drafts:
-                return None
-            return self.verify(mx.concatenate(drafted.drafts), None, drafted.finite, drafted=drafted)
-        drafts, q, finite = self.drafter.draft(depth, self.position)
-        mx.async_eval(drafts)  # the head runs while the verify pass is built
-        return self.verify(drafts, q, finite)
-
-    def launch_lookup(self, drafts: list[int], match: int) -> _Cycle | None:
-        """Queue a cycle verifying lookup ``drafts`` without the head (point-mass q when sampling); as ``launch``.
-        Under a grammar they are cut at the first token it forbids (None when that is the first)."""
-        allowed = None
-        if self.grammar is not None:
-            drafts = drafts[: self.grammar.valid_prefix(drafts)]
-            if not drafts:
-                return None
-            allowed = self.grammar.walk(drafts)
-        self.drafter.catch_up(len(drafts) + 1)
-        drafted = None if allowed is None else GrammarDraft(allowed)
-        return self.verify(mx.array(drafts, dtype=self.last.dtype), None, mx.array(True), match, drafted)
-
-    def verify(self, drafts: mx.array, q: mx.array | None, finite: mx.array, match: int = 0,
-               drafted: GrammarDraft | None = None) -> _Cycle | None:
-        """Queue the verify pass of ``[last, drafts…]`` and its acceptance (q None: greedy or a point mass; ``drafted``:
-        a grammar's masks per position, and the q of drafts made under it)."""
-        depth = drafts.size
-        inputs = mx.concatenate([self.last, drafts])
-        undo = rollback.snapshot(self.cache)
-        with rollback.capturing(inputs.size) as recorder:
-            hidden = self.trunk.hidden(inputs[None], self.cache)
-        if recorder.missed(self.cache):
-            undo(inputs.size)
+    def launch(self, depth: int = 0, lookup: tuple[list[int], int] | None = None) -> Launched | None:
+        """Queue a cycle (``BatchDrafter.launch``): ``depth`` head drafts, or ``lookup`` (drafts, match) verified
+        without the head. None, caches untouched, when there is no draft to verify (a grammar that allows none) or
+        when the capture points were removed during the pass (``unpatch()`` on another thread): plain steps from
+        then on."""
+        self.row.last = self.last  # read later: the cycle is queued first, as mlx-lm queues step t+1 before token t
+        try:
+            return self.cycles.launch([self.row], self.cache, self.drafter, [depth], [lookup], walk_first=False,
+                                      drafts_only=True)
+        except rollback.CaptureMissed:
             self.uncaptured = True
             log.warning("mtp_plugin: the runtime was unpatched during this generation; it goes on with plain "
                         "decoding steps (the same tokens).")
             return None
-        logits = self.trunk.trunk_logits(hidden[0])
-        if drafted is not None:
-            logits = constrain(logits, mx.stack(drafted.allowed))
-        if match and self.sampling is not None and self.sampling.keyed is None:
-            q = (mx.arange(logits.shape[-1])[None] == drafts[:, None]).astype(mx.float32)  # point mass (D, V)
-        elif drafted is not None and self.sampling is not None and self.sampling.keyed is None:
-            q = drafted.q(logits.shape[-1])
-        if self.processors:  # acceptance read position by position, as the block is yielded (``Walk``)
-            walk = Walk(logits, inputs, self.history, self.processors, self.sampling, q, finite, self.position)
-            mx.async_eval(logits)
-            return _Cycle(depth, inputs, hidden, walk.logprobs, None, None, recorder, walk, match)
-        logprobs = _log_softmax(logits)
-        if self.sampling is None:
-            accepted, tokens = accept_greedy(logprobs, drafts)
-        elif self.sampling.keyed is not None:
-            accepted, tokens = accept_matching(self.sampling.keyed(logprobs, self.position), drafts)
-        else:
-            accepted, tokens = accept_sampled(self.sampling.probs(logprobs), q, drafts, finite)
-        accepted = reject_nonfinite(accepted, finite)  # greedy: tokens are the trunk's argmax either way
-        mx.async_eval(accepted, tokens)
-        counts = (0, 0) if drafted is None else (drafted.forced, drafted.masked)
-        return _Cycle(depth, inputs, hidden, logprobs, accepted, tokens, recorder, None, match, *counts)
 
-    def commit(self, cycle: _Cycle, accepted: int) -> None:
+    def commit(self, cycle: Launched, verified: Verified, accepted: int) -> None:
         """Keep ``inputs[:accepted+1]``: caches rolled back, the head given those pairs, ``last`` the next token."""
         cycle.recorder.commit(self.cache, accepted + 1)
-        self.position += accepted + 1
-        if cycle.match:  # the head drafted nothing: its cache has no draft rows to drop
-            self.drafter.keep(cycle.hidden[:, : accepted + 1], cycle.tokens[: accepted + 1])
-        else:
-            self.drafter.accept(cycle.depth, cycle.hidden[:, : accepted + 1], cycle.tokens[: accepted + 1])
-        if self.processors:
-            self.history = mx.concatenate([self.history, cycle.inputs[: accepted + 1]])
-        if self.grammar is not None:
-            self.grammar.keep(accepted)  # it consumed the drafts
-        self.set_last(cycle.tokens[accepted : accepted + 1])
+        self.cycles.commit([self.row], self.drafter, verified, [accepted + 1])
+        self.last = mx.array([self.row.last], dtype=mx.uint32)
 
     def feed_last(self) -> list[mx.array]:
         """Feed ``last`` to the trunk, plus the processors' call for it; the arrays to evaluate with the cache."""
         hidden = self.trunk.hidden(self.last[None], self.cache)
-        if not self.processors:
+        if not self.row.processors:
             return []
-        return [self.logprobs_at(self.trunk.trunk_logits(hidden[0]), self.last, self.history)]
+        return [self.logprobs_at(self.trunk.trunk_logits(hidden[0]), self.last, self.row.history)]
 
 
 def generate(
@@ -472,9 +247,13 @@ def generate(
     grammar, processors = grammar_of(logits_processors)
     callback = prompt_progress_callback or (lambda *_: None)
     history = (prompt if prefill_history else prompt[-1:]) if processors else None
-    drafter = Drafter(head, trunk, head_cache, sampling, draft_vocab)
+    drafter = Drafter(head, trunk, head_cache)
     drafter.bound(prompt.size - 1)
-    loop = _Loop(trunk, cache, drafter, sampling, processors, history, cache_step, grammar)
+    cycles = BatchDrafter(trunk, head)
+    cycles.vocab = draft_vocab
+    row = Row(0, pending=drafter.pending, sampling=sampling, processors=processors, history=history, grammar=grammar,
+              schedule=RowState(lookup, MAX_DEPTH))
+    loop = _Loop(trunk, cache, drafter, cycles, row, cache_step)
     health = health if health is not None else HeadHealth("given to single.generate")
     if health.parked:
         drafter.stop()
@@ -499,12 +278,12 @@ def generate(
     first = loop.logprobs_at(trunk.trunk_logits(hidden[0, -1:]), chunk[-1:], history[:-1] if processors else None)
     loop.set_last(loop.pick(first))
     callback(total, total)
-    drafter.keep(hidden[:, -1:], loop.last)
+    drafter.keep(row, hidden[:, -1:], loop.last)
     if lookup is not None:
         lookup.index.extend(prompt.tolist())
 
     n = emitted = accepted = 0
-    row = RowState(lookup, MAX_DEPTH)
+    schedule = row.schedule
     scheduler = scheduler if scheduler is not None else Scheduler(1.0, new_prior())
     # clocks decide only where the tokens do not depend on the drafts (greedy, keyed draws) and ranks need not agree
     measured = (sampling is None or sampling.keyed is not None) and lockstep is None
@@ -526,7 +305,7 @@ def generate(
                 if held is None:  # the policy is asked once for each depth that runs
                     held = scheduler.next_depth(policy)
                 depth = held if span is None else min(held, span - 1)
-        question = row.ask(depth or 0, room, behind)
+        question = schedule.ask(depth or 0, room, behind)
         if lockstep is not None:  # equal contexts, tokens left and options give equal proposals
             agreed = lockstep.agree(NONE if depth is None else depth, {
                 "tokens emitted": n + block, "whether the generation ends": int(depth is None),
@@ -535,7 +314,7 @@ def generate(
                 "the lookup proposal's length": len(question.proposal)})
             if agreed != (NONE if depth is None else depth):
                 depth = None if agreed == NONE else agreed
-                question = row.ask(depth or 0, room, behind)
+                question = schedule.ask(depth or 0, room, behind)
         if depth is None:
             return None
         decision = scheduler.decide([question], [lookup], measured)[0]
@@ -551,7 +330,7 @@ def generate(
         if decision is None:
             return None, 0.0
         if decision.lookup:
-            cycle = loop.launch_lookup(list(decision.lookup), decision.match)
+            cycle = loop.launch(lookup=(list(decision.lookup), decision.match))
         else:
             cycle = None if decision.drafts == 0 else loop.launch(decision.drafts)
         queued = (Block.PLAIN, loop.plain_step()) if cycle is None else (Block.CYCLE, cycle)
@@ -596,17 +375,18 @@ def generate(
                 block = loop.last.tolist()
                 seconds = clock.lap() - launch + own_launch
                 scheduler.observe(1, 1, seconds, policy, [(PLAIN, 0)])
-                row.observe(0, 0, 0)
+                schedule.observe(0, 0, 0)
                 if lookup is not None:
                     lookup.index.extend(block)
                 continue
-            cycle = item
-            if cycle.walk is None:
-                outcome = cycle.accepted.item()
-            else:  # processors: the accepted drafts are read and yielded one by one, the block's last token below
-                walk, following = cycle.walk, None
+            cycle, walked = item, None
+            depth, match = cycle.depths[0], cycle.matches[0]
+            walk = cycle.walks.get(0)
+            if walk is not None:  # processors: the accepted drafts are read and yielded one by one, the last below
+                following = None
                 walk.process()  # position 0: the processors' call for the previous block's last token
                 token, ok = walk.read()
+                read = [token]
                 while ok:  # an accepted draft: their call for it (the pass's next position) comes before its yield
                     walk.process()
                     emitted, n = emitted + 1, n + 1
@@ -617,23 +397,24 @@ def generate(
                     if n == max_tokens:
                         return
                     token, ok = walk.read()
-                outcome = emitted if walk.finite_read else NONFINITE
-                cycle.tokens = mx.concatenate(walk.tokens)
-            if not cycle.match and _parks(health, cycle.depth, outcome):
+                    read.append(token)
+                walked = {0: (read, emitted if walk.finite_read else NONFINITE)}
+            verified = loop.cycles.read(cycle, walked=walked)
+            accepted = verified.accepted[0]
+            if not match and _parks(health, depth, NONFINITE if verified.nonfinite else accepted):
                 drafter.stop()
-            accepted = max(outcome, 0)
-            committed = cycle.tokens[: accepted + 1].tolist()
-            block, block_logprobs = committed[emitted:], cycle.logprobs
-            loop.commit(cycle, accepted)
+            committed = verified.blocks[0]
+            block, block_logprobs = committed[emitted:], verified.logprobs[0]
+            loop.commit(cycle, verified, accepted)
             if lookup is not None:
                 lookup.index.extend(committed)
             following, launch = queue(ask(accepted + 1 - emitted))
             seconds = clock.lap() - launch + own_launch
-            row.observe(cycle.depth, cycle.match, accepted)
-            if cycle.match:  # a lookup cycle: no head steps, the verify pass's cost alone
-                scheduler.observe(1, cycle.depth + 1, seconds)
+            schedule.observe(depth, match, accepted)
+            if match:  # a lookup cycle: no head steps, the verify pass's cost alone
+                scheduler.observe(1, depth + 1, seconds)
             else:
-                scheduler.observe(1, None, seconds, policy, [(cycle.depth, accepted)])
+                scheduler.observe(1, None, seconds, policy, [(depth, accepted)])
     except LockstepError:
         diverged = True  # the ranks no longer match: their caches are left as they are
         raise
@@ -646,14 +427,14 @@ def generate(
             stats.grammar_seconds = grammar.seconds
 
 
-def _record(stats: MTPStats, cycle: _Cycle, accepted: int, emitted: int) -> None:
+def _record(stats: MTPStats, cycle: Launched, accepted: int, emitted: int) -> None:
     """Count a cycle on ``stats``: a head cycle by its depth, a lookup cycle apart; a grammar's forced and masked
     drafts."""
-    if cycle.match:
-        stats.record_lookup(accepted, emitted, cycle.depth)
+    if cycle.matches[0]:
+        stats.record_lookup(accepted, emitted, cycle.depths[0])
     else:
-        stats.record(accepted, emitted, cycle.depth)
-    stats.forced, stats.masked = stats.forced + cycle.forced, stats.masked + cycle.masked
+        stats.record(accepted, emitted, cycle.depths[0])
+    stats.forced, stats.masked = stats.forced + cycle.forced[0], stats.masked + cycle.masked[0]
 
 
 def _parks(health: HeadHealth, depth: int, outcome: int) -> bool:
@@ -664,7 +445,7 @@ def _parks(health: HeadHealth, depth: int, outcome: int) -> bool:
     return health.observe(depth, outcome)
 
 
-def _close_cache(loop: _Loop, source: Block, cycle: _Cycle | None, accepted: int, following, emitted: int,
+def _close_cache(loop: _Loop, source: Block, cycle: Launched | None, accepted: int, following, emitted: int,
                  stats) -> None:
     """Leave the trunk cache holding the prompt and every yielded token, as plain decoding does; ``following``
     (queued plain step, started cycle or None) has already fed the block's last token."""
@@ -684,8 +465,8 @@ def _close_cache(loop: _Loop, source: Block, cycle: _Cycle | None, accepted: int
             pending = loop.feed_last()
         elif following[0] is Block.CYCLE:
             following[1].recorder.commit(loop.cache, 1)
-            if following[1].walk is not None:
-                pending = [following[1].walk.process()]
+            if 0 in following[1].walks:
+                pending = [following[1].walks[0].process()]
     else:  # stopped inside the accepted drafts: undo what the successor fed, roll back within the cycle
         if following is not None:
             fed = 1 if following[0] is Block.PLAIN else following[1].inputs.size
