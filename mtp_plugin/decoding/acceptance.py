@@ -101,7 +101,6 @@ class Walk:
         self.logits, self.inputs, self.history, self.processors = logits, inputs, history, processors
         self.sampling, self.q, self.finite, self.first = sampling, q, finite, first
         self.logprobs: list[mx.array] = []  # (V,) after the processors, per processed position
-        self.tokens: list[mx.array] = []  # (1,) the token drawn at each processed position
         self.outcomes: list[mx.array] = []  # (3,) int32 per processed position: its token, its draft accepted, finite
         self.finite_read = True  # the head's output was finite, as the latest ``read`` showed
 
@@ -126,7 +125,6 @@ class Walk:
             ok = (token[0] == draft[0]) & self.finite if draft.size else mx.array(False)
         outcome = mx.stack([token[0].astype(mx.int32), ok.astype(mx.int32), self.finite.astype(mx.int32)])
         self.logprobs.append(logprobs[0])
-        self.tokens.append(token.astype(mx.uint32))
         self.outcomes.append(outcome)
         mx.async_eval(outcome, logprobs)
         return outcome

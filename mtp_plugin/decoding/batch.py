@@ -35,6 +35,8 @@ class Row:
 
     Attributes:
         last: the newest token, not yet fed; one stream's may be an array (1,) not read yet.
+        sampling: the row's ``sampling.Sampling`` (None: greedy); processors: its logits processors; stats: its
+            counters.
         pending: head pairs not yet fed (the last ``drafter.HISTORY_WINDOW`` at most).
         sampler: the runtime's sampler, for plain steps of a row that cannot draft (None: argmax).
         history: token ids (N,) the processors have seen (None without processors).
@@ -85,7 +87,7 @@ class Verified:
     depths: list[int]  # per row, the drafts verified (0: a plain step)
     matches: list[int]  # per row, the match length of its lookup drafts (0: drafts from the head, or none)
     head_width: int  # draft steps the head ran for every row (its cache rows to drop)
-    accepted: list[int]  # per row; a row whose block was cut on an accepted draft: the drafts read, len(block)
+    accepted: list[int]  # per row (a row with processors whose block was cut on an accepted draft: len(block))
     blocks: list[list[int]]  # per row: its accepted drafts, then the correction or bonus token, cut where it ends
     logprobs: mx.array  # (B, D+1, V) trunk log-probs after each row's processors
     hidden: mx.array  # (B, D+1, H) trunk hidden states of the inputs
@@ -175,7 +177,7 @@ class BatchDrafter:
             qs.append(q)
         return mx.concatenate(tokens), qs, top
 
-    def _pick(self, row: Row, logprobs: mx.array) -> mx.array:
+    def pick(self, row: Row, logprobs: mx.array) -> mx.array:
         """Plain tokens (N,) from log-probs (N, V) of the row's next N positions: its keyed draws, else its own
         sampler, else argmax."""
         if row.sampling is not None and row.sampling.keyed is not None:
@@ -204,9 +206,9 @@ class BatchDrafter:
             logprobs = log_softmax(logits)
         samplers = {id(row.sampler) for row in rows}
         if len(samplers) == 1 and not any(row.sampling is not None and row.sampling.keyed is not None for row in rows):
-            tokens = self._pick(rows[0], logprobs)
+            tokens = self.pick(rows[0], logprobs)
         else:
-            tokens = mx.concatenate([self._pick(row, logprobs[i : i + 1]) for i, row in enumerate(rows)])
+            tokens = mx.concatenate([self.pick(row, logprobs[i : i + 1]) for i, row in enumerate(rows)])
         for row in rows:
             row.position += 1
         step = Step(hidden, logprobs, tokens.astype(mx.uint32))
@@ -231,7 +233,7 @@ class BatchDrafter:
         Raises:
             rollback.CaptureMissed: the capture points were removed during the pass (caches restored).
         """
-        lookups, allowed = self._cut(rows, heads, list(lookups or [None] * len(rows)))
+        lookups, allowed = self._cut_lookups(rows, heads, list(lookups or [None] * len(rows)))
         depths = [0 if looked is not None or not len(row.pending) or (row.grammar and row.grammar.stopped) else d
                   for row, d, looked in zip(rows, depths, lookups, strict=True)]
         if drafts_only and not any(depths) and not any(lookups):
@@ -257,6 +259,9 @@ class BatchDrafter:
                 hidden = self.trunk.hidden(inputs, cache)
             if recorder.missed(cache):
                 undo(width + 1)
+                for row in rows:  # the drafts it consumed are undone too
+                    if row.grammar is not None:
+                        row.grammar.restore()
                 raise rollback.CaptureMissed("the runtime's capture points were removed during the verify pass")
         else:
             hidden = self.trunk.hidden(inputs, cache)
@@ -264,7 +269,7 @@ class BatchDrafter:
         self._accept(rows, launched, drafted, allowed, walk_first)
         return launched
 
-    def _cut(self, rows: list[Row], heads: Heads, lookups: list) -> tuple[list, dict[int, list]]:
+    def _cut_lookups(self, rows: list[Row], heads: Heads, lookups: list) -> tuple[list, dict[int, list]]:
         """Lookup drafts cut at the first token a row's grammar forbids (None when that is the first: the row drafts
         with the head), the head told of each lookup cycle (``Heads.room``); per constrained row its grammar's masks
         before each draft and after the last (lookup drafts consumed by it)."""
@@ -335,7 +340,7 @@ class BatchDrafter:
             launched.logprobs.append(_pad(lp, width - d))
             if d == 0:
                 accepted.append(mx.array(0))
-                tokens.append(_pad(self._pick(row, lp).astype(mx.uint32), width))
+                tokens.append(_pad(self.pick(row, lp).astype(mx.uint32), width))
                 continue
             row_drafts = inputs[i, 1 : d + 1]
             if row.sampling is None:  # greedy: the block is the trunk's argmax whatever the drafts

@@ -119,9 +119,8 @@ class Drafter:
     (``stopped`` from the start: context drafts only); ``cache``: its empty trimmable KV cache. It feeds the prompt's
     pairs (``prefill``) and is the ``Heads`` of a one-row cycle."""
 
-    def __init__(self, head: nn.Module | None, trunk, cache, context: int | None = HEAD_CONTEXT):
+    def __init__(self, head: nn.Module | None, trunk, cache):
         self.head, self.trunk, self.cache = head, trunk, cache
-        self.context = context  # most prompt pairs fed to the head (None: all)
         self.pending = PendingPairs()
         self.stopped = head is None  # no head: lookup drafts and plain steps only
         self.committed = 0  # pairs committed so far: the next one's hidden is that of token ``committed``
@@ -136,12 +135,9 @@ class Drafter:
 
     def bound(self, pairs: int, context: int | None = None) -> None:
         """``pairs`` more prompt pairs are coming, after which the trunk's cache holds ``context`` positions (None:
-        ``committed + pairs + 1``): feed the head only the last ``window(context)`` (at most ``context`` of the
-        constructor) of the history; when that skips some, the head starts over from its first kept pair (its
-        cache emptied)."""
-        if self.context is None:
-            return
-        kept = min(self.context, window(self.committed + pairs + 1 if context is None else context))
+        ``committed + pairs + 1``): feed the head only the last ``window(context)`` of the history; when that skips
+        some, the head starts over from its first kept pair (its cache emptied)."""
+        kept = window(self.committed + pairs + 1 if context is None else context)
         if self.committed + pairs - kept <= self.first:
             return
         self.first = self.committed + pairs - kept

@@ -123,25 +123,16 @@ class _Loop:
         return processed_logprobs(logits, inputs, past, self.row.processors)
 
     def pick(self, logprobs: mx.array) -> mx.array:
-        """The next token (1,) from log-probs (1, V): argmax, the keyed draw, or a sample."""
-        sampling = self.row.sampling
-        if sampling is None:
-            return mx.argmax(logprobs, axis=-1)
+        """The first token (1,) from the prompt pass's log-probs (1, V) (``BatchDrafter.pick``)."""
+        token = self.cycles.pick(self.row, logprobs)
         self.row.position += 1
-        if sampling.keyed is not None:
-            return sampling.keyed(logprobs, self.row.position - 1)
-        return categorical(sampling.probs(logprobs))
+        return token
 
     def plain_step(self) -> tuple[mx.array, mx.array, mx.array]:
-        """Queue one plain step on ``last``: its hidden state (1, 1, H), log-probs (1, V), next token (1,)."""
-        row = self.row
-        hidden = self.trunk.hidden(self.last[None], self.cache)
-        logprobs = self.logprobs_at(self.trunk.trunk_logits(hidden[0]), self.last, row.history)
-        if row.processors:
-            row.history = mx.concatenate([row.history, self.last])
-        following = self.pick(logprobs)
-        mx.async_eval(following, logprobs)
-        return hidden, logprobs, following
+        """Queue one plain step on ``last`` (``BatchDrafter.plain``): its hidden state (1, 1, H), log-probs (1, V),
+        next token (1,)."""
+        step = self.cycles.plain([self.row], self.cache, self.last)
+        return step.hidden, step.logprobs, step.tokens
 
     def take_plain(self, step) -> None:
         """A plain step's token becomes ``last``; its pair is kept for the head."""
@@ -251,8 +242,10 @@ def generate(
     drafter.bound(prompt.size - 1)
     cycles = BatchDrafter(trunk, head)
     cycles.vocab = draft_vocab
+    exact = sampling is not None and sampling.keyed is None  # a plain token is a sample of its distribution
     row = Row(0, pending=drafter.pending, sampling=sampling, processors=processors, history=history, grammar=grammar,
-              schedule=RowState(lookup, MAX_DEPTH))
+              schedule=RowState(lookup, MAX_DEPTH), sampler=(lambda lp: categorical(sampling.probs(lp))) if exact
+              else None)
     loop = _Loop(trunk, cache, drafter, cycles, row, cache_step)
     health = health if health is not None else HeadHealth("given to single.generate")
     if health.parked:
