@@ -173,6 +173,32 @@ def test_rows_with_different_prefixes_replay_as_captured(dtype):
         assert all(np.array_equal(a, b) for a, b in zip(caches["capture"], caches["replay"], strict=True)), keep
 
 
+def test_a_pass_that_missed_its_capture_points_is_detected():
+    """``Recorder.missed``: a pass through the capture points captured every stateful layer; one run with them removed
+    (``mtp_plugin.unpatch()`` on another thread) did not. Rows run alone on copies of the caches (mlx-vlm 0.6's batch)
+    count as captured when every row ran through them, not when one did."""
+    import mtp_plugin
+
+    model, filled = text_model("mlx_lm", mx.float32)
+    tokens = mx.array([VERIFIED[:3]])
+    cache = filled()
+    with rollback.capturing(3) as recorder:
+        model(tokens, cache=cache)
+    assert not recorder.missed(cache)
+    copies = [filled(), filled()]
+    with rollback.capturing(3) as recorder:
+        for copy in copies:
+            model(tokens, cache=copy)
+    assert not recorder.missed(cache, rows=2) and recorder.missed(cache, rows=3)
+    mtp_plugin.unpatch()  # conftest's autouse fixture patches again afterwards
+    cache = filled()
+    with rollback.capturing(3) as recorder:
+        model(tokens, cache=cache)
+    assert recorder.missed(cache)
+    with pytest.raises(rollback.RollbackError, match="cannot be rolled back"):
+        recorder.commit(cache, 1)
+
+
 @pytest.fixture(scope="module")
 def trained():
     """The bundled trained checkpoint and its tokenizer, by dtype (as stored: bfloat16; or cast to float32): its head

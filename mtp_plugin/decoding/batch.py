@@ -257,7 +257,7 @@ class BatchDrafter:
             undo = rollback.snapshot(cache)
             with rollback.capturing(width + 1) as recorder:
                 hidden = self.trunk.hidden(inputs, cache)
-            if recorder.missed(cache):
+            if recorder.missed(cache, len(rows)):
                 undo(width + 1)
                 for row in rows:  # the drafts it consumed are undone too
                     if row.grammar is not None:

@@ -153,10 +153,17 @@ class Recorder:
                 raise RollbackError(f"{type(cache).__name__} cannot be rolled back by {drop} tokens")
 
 
-    def missed(self, caches: list) -> bool:
+    def missed(self, caches: list, rows: int = 1) -> bool:
         """Whether a non-trimmable cache was not captured (capture points removed before or during the pass, e.g.
-        by ``mtp_plugin.unpatch()`` on another thread): ``commit`` would raise."""
-        return any(id(c) not in self.layers and not c.is_trimmable() for c in caches)
+        by ``mtp_plugin.unpatch()`` on another thread): rolling back would raise. A runtime that ran each of ``rows``
+        rows alone on copies of the caches (mlx-vlm 0.6's batch) captured every layer through its copies
+        (``commit_rows``)."""
+        stateful = [c for c in caches if not c.is_trimmable()]
+        captured = [id(c) in self.layers for c in stateful]
+        if all(captured):
+            return False
+        copies = list(self.owners.values())
+        return any(captured) or len(copies) != len(stateful) or any(len(calls) != rows for calls in copies)
 
 
 def _copy(state):
