@@ -13,11 +13,10 @@ import sys
 
 from mtp_plugin.decoding.grammar import response_format_processor
 from mtp_plugin.decoding.lockstep import Lockstep, group_of
-from mtp_plugin.decoding.lookup import MAX_LOOKUP, lookup_policy
-from mtp_plugin.decoding.options import MTPOptions, depth_policy
+from mtp_plugin.decoding.lookup import MAX_LOOKUP
+from mtp_plugin.decoding.options import MTPOptions, generation_options
 from mtp_plugin.decoding.single import MAX_DEPTH
 from mtp_plugin.decoding.state import state_of
-from mtp_plugin.decoding.stats import MTPStats
 from mtp_plugin.plugins import hook
 
 from .capture import rollback_ready
@@ -53,10 +52,11 @@ def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured
     cache = kwargs["prompt_cache"]
     cache = make_prompt_cache(model, max_kv_size=kwargs["max_kv_size"]) if cache is None else cache
     max_tokens = kwargs["max_tokens"]
-    sampled = sampler is not None and SAMPLINGS[sampler] is not None
-    scheduler = state_of(model, loaded).scheduler
-    lookup = lookup_policy(lookup, loaded is None, scheduler.lookup_prior if sampled else None)
-    if loaded is None and (lookup is None or not (captured or all(c.is_trimmable() for c in cache))):
+    context = len(prompt) + max((c.offset for c in cache if hasattr(c, "offset")), default=0)
+    sampling = None if sampler is None else SAMPLINGS[sampler]  # None: greedy (also mlx-lm's temp=0 sampler)
+    options = generation_options(depth, lookup, state_of(model, loaded).scheduler, sampling, context,
+                                 headless=loaded is None)
+    if loaded is None and (options["lookup"] is None or not (captured or all(c.is_trimmable() for c in cache))):
         return None
     for c in cache:
         if isinstance(c, RotatingKVCache) and (max_tokens < 0 or c.offset + len(prompt) + max_tokens + MAX_LOOKUP
@@ -64,30 +64,17 @@ def decoding_options(model, loaded, prompt, depth, kwargs, lookup=None, captured
             log.warning("mtp_plugin: a rotating KV cache of %d tokens could wrap during this generation and "
                         "cannot be rolled back after a rejected draft; decoding without MTP.", c.max_size)
             return None
-    sampling = None if sampler is None else SAMPLINGS[sampler]  # None: greedy (also mlx-lm's temp=0 sampler)
-    sampling = None if sampling is None else sampling.with_coupling()
-    if loaded is None:
-        policy = 1  # no head: never asked (the loop drafts from the context or steps plain)
-    else:
-        context = len(prompt) + max((c.offset for c in cache if hasattr(c, "offset")), default=0)
-        policy = depth_policy(depth, scheduler, 0.0 if sampling is None else sampling.temp, context)  # raises if bad
-    stats = MTPStats(None if loaded is None else policy if isinstance(policy, int) else getattr(policy, "depth", None),
-                     headless=loaded is None)
     if loaded is not None:
-        loaded.stats = stats
+        loaded.stats = options["stats"]
     return {
+        **options,
         "cache": cache,
         "head_cache": KVCache(),
-        "depth": policy,
         "max_tokens": max_tokens,
-        "sampling": sampling,
         "logits_processors": kwargs["logits_processors"],
         "prefill_step_size": kwargs["prefill_step_size"],
         "prompt_progress_callback": kwargs["prompt_progress_callback"],
         "prefill_history": PREFILL_IN_HISTORY,
-        "stats": stats,
-        "lookup": lookup,
-        "scheduler": scheduler,
         "cache_step": kv_quantizer(kwargs["kv_bits"], kwargs["kv_group_size"], kwargs["quantized_kv_start"]),
     }
 

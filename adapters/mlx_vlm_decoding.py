@@ -12,10 +12,8 @@ import types
 
 import mlx.core as mx
 
-from mtp_plugin.decoding.lookup import lookup_policy
-from mtp_plugin.decoding.options import MTPOptions, depth_policy
+from mtp_plugin.decoding.options import MTPOptions, generation_options
 from mtp_plugin.decoding.state import state_of
-from mtp_plugin.decoding.stats import MTPStats
 from mtp_plugin.decoding.trunk import PromptInputs, multimodal
 from mtp_plugin.plugins import hook
 
@@ -130,31 +128,25 @@ def decoding_options(ar, model, loaded, depth, args: dict, extra: dict, lookup=N
 
     temperature, top_p, top_k = _sampling_parameters(ar, model, args)
     sampled = sampling(ar, args, temperature, top_p, top_k) if temperature > 0 else None
-    if sampled is not None and sampled.keyed is None:  # mlx-vlm's own keyed draws stay its own
-        sampled = sampled.with_coupling()
 
     prompt_size = args["input_ids"].size
     step = args.get("prefill_step_size")
     chunked = step is not None and (prompt_size > 1 if CHUNKS_EVERY_PROMPT else prompt_size > step)
-    scheduler = state_of(model.language_model, loaded).scheduler
-    policy = depth_policy(depth, scheduler, 0.0 if sampled is None else sampled.temp, prompt_size)  # raises if bad
-    loaded.stats = MTPStats(policy if isinstance(policy, int) else getattr(policy, "depth", None))
+    options = generation_options(depth, lookup, state_of(model.language_model, loaded).scheduler, sampled,
+                                 prompt_size)
+    loaded.stats = options["stats"]
     cache = args.get("prompt_cache")
     return {
+        **options,
         "cache": make_prompt_cache(model.language_model) if cache is None else cache,
         "head_cache": KVCache(),
-        "depth": policy,
         "max_tokens": args["max_tokens"],
-        "sampling": sampled,
         "logits_processors": _processors(ar, args),
         "prefill_step_size": step or prompt_size,
         "prefill_history": not chunked,
         "one_pass": not chunked,
         "cut_window": False,  # its GatedDeltaNet may scan a multi-token pass in chunks of its own
         "prompt_progress_callback": prefill_bar() if chunked and args.get("verbose") else None,
-        "stats": loaded.stats,
-        "lookup": lookup_policy(lookup, False, None if sampled is None else scheduler.lookup_prior),
-        "scheduler": scheduler,
         # a trunk without multimodal positions (Qwen3-Next) takes text only: its plain token pass is mlx-vlm's own
         "prompt_inputs": prompt_inputs(model, args, extra) if multimodal(model) else None,
     }

@@ -8,7 +8,9 @@ import dataclasses
 import numbers
 from dataclasses import dataclass
 
+from .lookup import lookup_policy
 from .single import MAX_DEPTH
+from .stats import MTPStats
 
 
 @dataclass(frozen=True)
@@ -45,3 +47,17 @@ def depth_policy(depth, scheduler, temperature: float = 0.0, context: int = 0):
     if depth:
         return depth if policy else int(depth)
     return scheduler.controller(temperature, 1, context)
+
+
+def generation_options(depth, lookup, scheduler, sampling, context: int, headless: bool = False) -> dict:
+    """``single.generate``'s ``depth``, ``lookup``, ``sampling``, ``stats`` and ``scheduler`` keywords for one
+    generation, from its ``mtp_depth`` and ``mtp_lookup`` and the model's ``scheduler`` (``ModelState``): the depth by
+    ``depth_policy`` at the sampling's temperature and a prompt of ``context`` tokens (``headless``: 1, never asked),
+    lookup drafts by ``lookup.lookup_policy`` (the scheduler's prior when sampled), draws position-keyed
+    (``Sampling.with_coupling``) unless the runtime keys its own. Raises ValueError for a bad depth or lookup."""
+    if sampling is not None and sampling.keyed is None:
+        sampling = sampling.with_coupling()
+    policy = 1 if headless else depth_policy(depth, scheduler, 0.0 if sampling is None else sampling.temp, context)
+    fixed = None if headless else policy if isinstance(policy, int) else getattr(policy, "depth", None)
+    return {"depth": policy, "sampling": sampling, "scheduler": scheduler, "stats": MTPStats(fixed, headless=headless),
+            "lookup": lookup_policy(lookup, headless, None if sampling is None else scheduler.lookup_prior)}
